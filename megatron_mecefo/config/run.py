@@ -1,0 +1,37 @@
+"""The top-level run config: one YAML file under configs/run/ (+ CLI overrides) -> `RunConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron_mecefo.data.config import DataConfig
+from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
+from megatron_mecefo.mecefo.config import MecefoConfig
+from megatron_mecefo.metrics.config import LoggingConfig
+from megatron_mecefo.training.config import TrainingConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """Everything one training run needs. `model` may name a preset in configs/model/."""
+
+    run_dir: str = "runs/demo"
+    """Output directory: config.yaml, env.json, metrics.jsonl, events.jsonl, summary.json."""
+    overwrite: bool = False
+    """Allow writing into a run_dir that already holds a run (its metrics are replaced)."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Model shape (or a preset name such as 'tiny', 'llama-350m')."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Dataset and tokenizer; the embedded demo corpus by default."""
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    """Batch, optimiser and schedule."""
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """TP/PP layout and backend."""
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Metric sinks."""
+    mecefo: MecefoConfig = dataclasses.field(default_factory=MecefoConfig)
+    """MeCeFO degraded-mode switches and takeover policy."""
+
+    def __post_init__(self) -> None:
+        if not self.run_dir:
+            raise ValueError("run_dir must not be empty")

@@ -1,0 +1,71 @@
+"""Error hierarchy and process exit codes shared by the Python code and the launch scripts.
+
+Every error a user can cause derives from `MecefoError` and carries a one-line, actionable message;
+entry points turn it into a single `error: ...` line and the matching `ExitCode` instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes; `launch/README.md` lists the same table for the shell scripts."""
+
+    OK = 0
+    FAILURE = 1
+    """Unexpected internal error (a bug): a traceback is printed."""
+    CONFIG_ERROR = 2
+    """Bad configuration or command line."""
+    DATA_ERROR = 3
+    """Missing or corrupt data, tokenizer/model mismatch."""
+    DISTRIBUTED_ERROR = 4
+    """Bad distributed layout (world size vs TP x PP) or a collective failed beyond recovery."""
+    CHECKPOINT_ERROR = 5
+    """No valid checkpoint or snapshot to resume from."""
+
+
+class MecefoError(Exception):
+    """Base class of all errors the project raises on purpose."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+
+class ConfigError(MecefoError, ValueError):
+    """A config file, key or value is invalid."""
+
+    exit_code = ExitCode.CONFIG_ERROR
+
+
+class DataError(MecefoError):
+    """Input data is missing, corrupt or inconsistent with the model."""
+
+    exit_code = ExitCode.DATA_ERROR
+
+
+class DistributedSetupError(MecefoError):
+    """The process layout cannot run the requested parallelism."""
+
+    exit_code = ExitCode.DISTRIBUTED_ERROR
+
+
+class PeerLostError(MecefoError):
+    """A data-parallel peer died or became unreachable."""
+
+    exit_code = ExitCode.DISTRIBUTED_ERROR
+
+
+class QuorumTimeoutError(MecefoError):
+    """Survivors did not agree on a new membership in time."""
+
+    exit_code = ExitCode.DISTRIBUTED_ERROR
+
+
+class CheckpointError(MecefoError):
+    """A checkpoint is missing, incomplete or fails validation."""
+
+    exit_code = ExitCode.CHECKPOINT_ERROR
+
+
+class SnapshotCorruptError(CheckpointError):
+    """An in-memory snapshot failed its checksum."""

@@ -1,0 +1,95 @@
+"""Model-shape and parallel-layout configs (pure dataclasses; no megatron import)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """A LLaMA-style decoder: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings."""
+
+    name: str = "custom"
+    """Label used in logs and benchmark tables."""
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width d."""
+    ffn_hidden_size: int = 172
+    """SwiGLU inner width f (linear_fc1 is 2f x d, linear_fc2 is d x f)."""
+    num_attention_heads: int = 4
+    """Attention heads; must divide hidden_size."""
+    num_query_groups: int | None = None
+    """Grouped-query attention groups; None = multi-head attention."""
+    vocab_size: int = 512
+    """Embedding rows; must be >= the tokenizer's vocabulary."""
+    seq_length: int = 64
+    """Training sequence length (also the RoPE maximum)."""
+    rotary_base: int = 10000
+    """RoPE base."""
+    norm_epsilon: float = 1e-5
+    """RMSNorm epsilon."""
+    init_method_std: float = 0.02
+    """Std of the normal weight init."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention/FFN."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    spec: Literal["auto", "te", "local"] = "auto"
+    """Layer spec: Transformer Engine ('te', needs CUDA + TE), megatron local ('local'), or 'auto'."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "vocab_size", "seq_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError("num_attention_heads must be divisible by num_query_groups")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1)")
+
+    def num_parameters(self) -> int:
+        """Parameter count (embedding + output layer + layers + final norm)."""
+        d, f, layers = self.hidden_size, self.ffn_hidden_size, self.num_layers
+        kv = d if self.num_query_groups is None else d // self.num_attention_heads * self.num_query_groups
+        attn = d * (d + 2 * kv) + d * d
+        ffn = 2 * f * d + d * f
+        return 2 * self.vocab_size * d + layers * (attn + ffn + 2 * d) + d
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token (6N for matmuls + attention scores), as in the MFU convention."""
+        d, s, layers = self.hidden_size, self.seq_length, self.num_layers
+        dense = self.num_parameters() - self.vocab_size * d  # input embedding is a lookup
+        return 6.0 * dense + 12.0 * layers * d * s
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """Process layout. DP size is world_size / (TP x PP)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP degree."""
+    pipeline_model_parallel_size: int = 1
+    """PP degree (only 1 is supported by the trainer for now)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto = nccl with CUDA, gloo without."""
+    timeout_s: float = 120.0
+    """Collective timeout."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_model_parallel_size < 1:
+            raise ValueError("tensor_model_parallel_size must be >= 1")
+        if self.pipeline_model_parallel_size != 1:
+            raise ValueError(
+                "pipeline_model_parallel_size > 1 is not supported yet: MeCeFO's takeover plan and "
+                "gradient reduction assume one pipeline stage; use tensor parallelism instead"
+            )
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be > 0")

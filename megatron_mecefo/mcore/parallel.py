@@ -1,0 +1,114 @@
+"""torch.distributed + megatron parallel_state set-up, returned as an explicit `ParallelContext`.
+
+Works under torchrun (RANK/WORLD_SIZE/MASTER_ADDR env) and as a plain single process (an in-memory
+store). On CPU it applies the compatibility layer. Nothing here is kept in module globals except
+what megatron's own `parallel_state` keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.errors import DistributedSetupError
+from megatron_mecefo.mcore import cpu_compat
+from megatron_mecefo.mcore.config import ParallelConfig
+
+
+@dataclasses.dataclass
+class ParallelContext:
+    """This process's place in the job and the groups it talks on."""
+
+    rank: int
+    world_size: int
+    dp_rank: int
+    dp_size: int
+    tp_rank: int
+    tp_size: int
+    backend: str
+    device: torch.device
+    dp_group: dist.ProcessGroup
+    tp_group: dist.ProcessGroup
+    on_cpu: bool
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+def init_parallel(cfg: ParallelConfig) -> ParallelContext:
+    """Initialise the default process group (if needed) and megatron's model-parallel groups."""
+    from megatron.core import parallel_state as ps
+
+    on_cpu = not torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("gloo" if on_cpu else "nccl")
+    if backend == "nccl" and on_cpu:
+        raise DistributedSetupError("backend 'nccl' needs CUDA; use parallel.backend=gloo on CPU")
+    if not dist.is_initialized():
+        _init_default_group(backend, cfg.timeout_s)
+    world = dist.get_world_size()
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    if world % (tp * pp):
+        raise DistributedSetupError(
+            f"world size {world} is not divisible by TP x PP = {tp} x {pp}; launch a multiple of "
+            f"{tp * pp} processes or change parallel.tensor_model_parallel_size"
+        )
+    if on_cpu:
+        cpu_compat.apply()
+        device = torch.device("cpu")
+    else:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            distributed_timeout_minutes=max(1, int(cfg.timeout_s // 60)),
+        )
+    return ParallelContext(
+        rank=dist.get_rank(),
+        world_size=world,
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=tp,
+        backend=backend,
+        device=device,
+        dp_group=ps.get_data_parallel_group(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        on_cpu=on_cpu,
+    )
+
+
+def _init_default_group(backend: str, timeout_s: float) -> None:
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a plain `python -m ...` run: one process, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: megatron DDP does not broadcast initial weights."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    """Tear down megatron's groups and the default group (safe to call twice)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

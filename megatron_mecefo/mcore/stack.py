@@ -1,0 +1,133 @@
+"""Megatron DDP + optimizer + forward-backward schedule, with the gradient reduction owned by us.
+
+Megatron's DDP binds its DP group and `1/dp` scaling at construction. Instead of rebuilding it on
+every membership change, `PlanGradReducer` is installed as `finalize_model_grads_func`: it pre-scales
+the contiguous grad buffers per parameter (ordinary 1/n, attention/input-norm `masked_scale`) and
+does ONE SUM all-reduce per buffer on whatever DP group the current generation uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.training.config import TrainingConfig
+
+
+def wrap_ddp(model: torch.nn.Module, tcfg: Any) -> torch.nn.Module:
+    """Megatron `DistributedDataParallel` with fp32 grad buffers and no overlapped reduction."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+    )
+    return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)
+
+
+def build_optimizer(ddp: torch.nn.Module, cfg: TrainingConfig, *, bf16: bool):
+    """`get_megatron_optimizer` AdamW (torch fallback without TE/Apex)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        min_lr=cfg.min_lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        clip_grad=cfg.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=False,
+    )
+    return get_megatron_optimizer(ocfg, [ddp])
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def forward_backward(
+    ddp: torch.nn.Module,
+    forward_step: Callable,
+    data_iterator: Iterator,
+    *,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool = False,
+) -> list[dict[str, torch.Tensor]]:
+    """Run megatron's (non-pipelined) schedule; returns the per-micro-batch reporting dicts."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=data_iterator,
+        model=[ddp],
+        num_microbatches=num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=forward_only,
+    )
+
+
+class PlanGradReducer:
+    """Pre-scale + SUM all-reduce of megatron DDP grad buffers on an explicit DP group.
+
+    Args:
+        ddp: the megatron DDP module whose `buffers` hold contiguous `grad_data`.
+        group: the DP process group of the current membership generation.
+        is_masked_param: name -> True for attention / input-norm params (masked averaging).
+    """
+
+    def __init__(self, ddp, group: dist.ProcessGroup | None,
+                 is_masked_param: Callable[[str], bool] | None = None):
+        self.ddp = ddp
+        self.group = group
+        self.grad_scale = 1.0
+        self.attention_grad_scale = 1.0
+        self._masks = self._build_masks(ddp, is_masked_param) if is_masked_param else None
+
+    @staticmethod
+    def _build_masks(ddp, is_masked_param) -> list[torch.Tensor | None]:
+        names = {p: n for n, p in ddp.module.named_parameters()}
+        masks = []
+        for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+            mask = torch.zeros(buffer.grad_data.numel(), dtype=torch.bool, device=buffer.grad_data.device)
+            for param, (start, end, _bucket) in buffer.param_index_map.items():
+                if is_masked_param(names[param]):
+                    mask[start:end] = True
+            masks.append(mask if bool(mask.any()) else None)
+        return masks
+
+    def set_scales(self, grad_scale: float, attention_grad_scale: float) -> None:
+        self.grad_scale = grad_scale
+        self.attention_grad_scale = attention_grad_scale
+
+    def __call__(self, model_chunks=None, num_tokens=None, pg_collection=None, force_all_reduce=False):
+        """Signature of megatron's `finalize_model_grads_func`; all DP ranks call this in order."""
+        buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
+        for i, buffer in enumerate(buffers):
+            grad = buffer.grad_data
+            mask = self._masks[i] if self._masks else None
+            if mask is None or self.attention_grad_scale == self.grad_scale:
+                grad.mul_(self.grad_scale)
+            else:
+                scale = torch.where(mask, self.attention_grad_scale, self.grad_scale)
+                grad.mul_(scale.to(grad.dtype))
+            if self.group is not None and dist.get_world_size(self.group) > 1:
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+
+
+def install_grad_reducer(ddp, tcfg, reducer: PlanGradReducer) -> None:
+    """Make megatron's schedule call `reducer` after the last backward of a step."""
+    tcfg.finalize_model_grads_func = reducer
+    tcfg.no_sync_func = None
+    tcfg.grad_sync_func = None

@@ -1,0 +1,45 @@
+"""MeCeFO degraded-mode and takeover-policy switches (pure dataclass)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+
+@dataclasses.dataclass(kw_only=True)
+class MecefoConfig:
+    """Degraded-mode techniques, low-rank settings and the takeover policy."""
+
+    enabled: bool = True
+    """Install the degraded-mode hooks. They cost nothing until a plan marks micro-batches degraded."""
+    skip_attention_backward: bool = True
+    """Technique 1: attention branch runs without a graph; gradient flows through the residual only."""
+    recompute_ffn: bool = True
+    """Technique 2: keep only the FFN input; recompute FFN intermediates in backward."""
+    lowrank_ffn_grad: bool = True
+    """Technique 3: FFN weight grads G_W ~= G_y (x^T V) V^T with V the top-r right singular vectors."""
+    rank: float = 0.125
+    """Low-rank r: an integer >= 1 is absolute; a value in (0, 1) is a fraction of the input dim."""
+    tau: int = 50
+    """Refresh the cached singular vectors every tau steps."""
+    svd_method: Literal["exact", "randomized"] = "exact"
+    """How V is computed: full SVD, or randomized range finder (cheaper at large shapes)."""
+    takeover_policy: Literal["neighbor", "spread", "hybrid"] = "neighbor"
+    """Who runs a dead replica's micro-batches: its ring neighbour (MeCeFO), all survivors, or hybrid."""
+    hybrid_target_ratio: float = 1.15
+    """hybrid: the slowest rank's step time must stay under this multiple of a normal rank's."""
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0 or (self.rank >= 1 and not float(self.rank).is_integer()):
+            raise ValueError(
+                f"rank must be an integer >= 1 (absolute) or a fraction in (0, 1), got {self.rank}"
+            )
+        if self.tau < 1:
+            raise ValueError(f"tau must be >= 1 step, got {self.tau}")
+        if self.hybrid_target_ratio < 1.0:
+            raise ValueError("hybrid_target_ratio must be >= 1.0 (a multiple of a normal step)")
+
+    def resolve_rank(self, dim: int) -> int:
+        """Absolute rank for an input dimension `dim` (clamped to [1, dim])."""
+        r = int(self.rank) if self.rank >= 1 else round(self.rank * dim)
+        return max(1, min(dim, r))

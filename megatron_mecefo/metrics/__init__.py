@@ -1,0 +1,1 @@
+"""Metrics: metrics.jsonl / events.jsonl, TensorBoard and W&B sinks, progress output, MFU."""

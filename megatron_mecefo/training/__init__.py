@@ -1,0 +1,1 @@
+"""Thin trainer: `build_engine` + one readable `train_step` + a loop with hook points."""

@@ -1,0 +1,204 @@
+"""The training engine: builds model, DDP, optimizer, data and degraded-mode hooks; runs one step.
+
+`train_step(step, plan)` is the whole step, readable top to bottom: set LR, refresh low-rank bases,
+zero grads, run the plan's micro-batches through megatron's schedule (each in its own mode), reduce
+gradients with the plan's scaling, optimizer step. Failover (a later stage) only changes the plan and
+the DP group; the step itself never branches on failures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.config.run import RunConfig
+from megatron_mecefo.data import DataBundle, MicroBatchSampler, check_vocab, prepare_data
+from megatron_mecefo.mcore import stack
+from megatron_mecefo.mcore.model import build_gpt_model
+from megatron_mecefo.mcore.parallel import ParallelContext, init_parallel, seed_everything
+from megatron_mecefo.training.lr_schedule import lr_at
+from megatron_mecefo.training.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
+
+
+@dataclasses.dataclass
+class StepResult:
+    """What one step produced (loss is the global-batch mean over all ranks' micro-batches)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    num_tokens: int
+    """Tokens this rank processed."""
+    global_tokens: int
+    """Tokens of the whole global batch."""
+    step_time_s: float
+    updated: bool
+    """False when the optimizer skipped the update (non-finite grads)."""
+
+
+class Engine:
+    """Holds the built components; see `build_engine`."""
+
+    def __init__(self, cfg: RunConfig, ctx: ParallelContext, model, ddp, tcfg, optimizer,
+                 data: DataBundle, controller, reducer: stack.PlanGradReducer):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.model = model
+        self.ddp = ddp
+        self.tcfg = tcfg
+        self.optimizer = optimizer
+        self.data = data
+        self.controller = controller
+        self.reducer = reducer
+        tc = cfg.training
+        self.train_sampler = MicroBatchSampler(
+            data.train, micro_batch_size=tc.micro_batch_size,
+            num_microbatches=tc.num_microbatches, num_replicas=ctx.dp_size)
+        self.valid_sampler = MicroBatchSampler(
+            data.valid, micro_batch_size=tc.micro_batch_size,
+            num_microbatches=tc.eval_microbatches, num_replicas=1)
+
+    # ------------------------------------------------------------------ plans
+    def default_plan(self) -> RankStepPlan:
+        """Failure-free plan: this rank's own micro-batches, exact."""
+        return failure_free_plan(self.ctx.dp_rank, self.ctx.dp_size, self.cfg.training.num_microbatches)
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, step: int, plan: RankStepPlan | None = None) -> StepResult:
+        """One optimizer step following `plan` (all ranks of the DP group call this together)."""
+        plan = plan or self.default_plan()
+        if not plan.tasks:
+            raise ValueError("a rank's step plan must contain at least one micro-batch")
+        tc = self.cfg.training
+        start = time.perf_counter()
+        lr = lr_at(step, tc)
+        stack.set_lr(self.optimizer, lr)
+        if self.controller is not None:
+            self.controller.on_step_start(step)
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
+        # megatron divides each micro-batch loss by len(tasks); rescale so it is 1/M (see step_plan)
+        loss_scale = len(plan.tasks) / plan.microbatches_per_replica
+        sampler = self._sampler_for(plan)
+        fwd = functools.partial(self._forward_step, sampler=sampler, step=step, loss_scale=loss_scale)
+        outputs = stack.forward_backward(
+            self.ddp, fwd, iter(plan.tasks), num_microbatches=len(plan.tasks),
+            seq_length=self.cfg.model.seq_length, micro_batch_size=tc.micro_batch_size)
+        updated, grad_norm, _ = self.optimizer.step()
+        if self.controller is not None:
+            self.controller.set_degraded(False)
+        loss = self._global_mean_loss(outputs)
+        tokens = len(plan.tasks) * tc.micro_batch_size * self.cfg.model.seq_length
+        global_tokens = plan.num_replicas * plan.microbatches_per_replica * tc.micro_batch_size \
+            * self.cfg.model.seq_length
+        return StepResult(step=step, loss=loss, grad_norm=float(grad_norm or 0.0), lr=lr,
+                          num_tokens=tokens, global_tokens=global_tokens,
+                          step_time_s=time.perf_counter() - start, updated=bool(updated))
+
+    def _sampler_for(self, plan: RankStepPlan) -> MicroBatchSampler:
+        s = self.train_sampler
+        if plan.num_replicas == s.num_replicas and plan.microbatches_per_replica == s.num_microbatches:
+            return s
+        return MicroBatchSampler(self.data.train, micro_batch_size=self.cfg.training.micro_batch_size,
+                                 num_microbatches=plan.microbatches_per_replica,
+                                 num_replicas=plan.num_replicas)
+
+    def _forward_step(self, data_iterator, model, *, sampler, step: int, loss_scale: float):
+        """megatron forward_step_func: one micro-batch in the mode its task asks for."""
+        task: MicroBatchTask = next(data_iterator)
+        batch = sampler.get(step, task.source_dp_rank, task.micro_index)
+        if self.controller is not None:
+            self.controller.set_degraded(task.degraded)
+        device = self.ctx.device
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        position_ids = batch["position_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        output = model(tokens, position_ids, None, labels=labels)
+        return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale)
+
+    def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> float:
+        total = torch.tensor([sum(float(o["loss"]) for o in outputs), float(len(outputs))],
+                             dtype=torch.float64)
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(total, group=self.reducer.group)
+        return float(total[0] / total[1])
+
+    # ------------------------------------------------------------------ eval
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over a fixed set of micro-batches, split across DP ranks."""
+        num = self.cfg.training.eval_microbatches
+        mine = [MicroBatchTask(0, i) for i in range(self.ctx.dp_rank, num, self.ctx.dp_size)]
+        outputs = []
+        if mine:
+            fwd = functools.partial(self._forward_step, sampler=self.valid_sampler, step=0,
+                                    loss_scale=1.0)
+            outputs = stack.forward_backward(
+                self.ddp, fwd, iter(mine), num_microbatches=len(mine),
+                seq_length=self.cfg.model.seq_length,
+                micro_batch_size=self.cfg.training.micro_batch_size, forward_only=True)
+        total = torch.tensor([sum(float(o["loss"]) for o in outputs), float(len(outputs))],
+                             dtype=torch.float64)
+        if self.ctx.dp_size > 1:
+            dist.all_reduce(total, group=self.reducer.group)
+        return float(total[0] / total[1])
+
+    def close(self) -> None:
+        from megatron_mecefo.mcore.parallel import destroy_parallel
+
+        destroy_parallel()
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, loss_scale: float, output: torch.Tensor):
+    """Token-mean loss over `loss_mask`; the backward loss is scaled so micro-batches weigh 1/M."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+    return loss * loss_scale, {"loss": loss.detach().clone()}
+
+
+def resolve_bf16(cfg: RunConfig, ctx: ParallelContext) -> bool:
+    """precision=auto: bf16 on GPU, fp32 on CPU."""
+    precision = cfg.training.precision
+    if precision == "auto":
+        return not ctx.on_cpu
+    return precision == "bf16"
+
+
+def build_engine(cfg: RunConfig, ctx: ParallelContext | None = None, *,
+                 log: Any = None) -> Engine:
+    """Initialise distributed state (if not given) and build every component of a run."""
+    ctx = ctx or init_parallel(cfg.parallel)
+    tc = cfg.training
+    data = prepare_data(
+        cfg.data, seq_length=cfg.model.seq_length,
+        num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * ctx.dp_size,
+        num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
+        seed=tc.seed, rank=ctx.rank, barrier=ctx.barrier)
+    check_vocab(data.tokenizer.vocab_size, cfg.model.vocab_size)
+    seed_everything(tc.seed)
+    bf16 = resolve_bf16(cfg, ctx)
+    model, tcfg, spec_name = build_gpt_model(cfg.model, tp_size=ctx.tp_size, bf16=bf16)
+    if not ctx.on_cpu:
+        model = model.cuda()
+    controller = None
+    if cfg.mecefo.enabled:
+        from megatron_mecefo.mecefo import install_degraded_mode
+
+        controller = install_degraded_mode(model, cfg.mecefo)
+    ddp = stack.wrap_ddp(model, tcfg)
+    optimizer = stack.build_optimizer(ddp, tc, bf16=bf16)
+    reducer = stack.PlanGradReducer(
+        ddp, ctx.dp_group, controller.is_masked_param if controller is not None else None)
+    stack.install_grad_reducer(ddp, tcfg, reducer)
+    if log is not None:
+        log(f"model {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M params, spec={spec_name}, "
+            f"{'bf16' if bf16 else 'fp32'}, DP={ctx.dp_size} TP={ctx.tp_size}, backend={ctx.backend}")
+    return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer)

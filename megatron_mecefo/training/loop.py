@@ -1,0 +1,63 @@
+"""The training loop: plan -> step -> (eval) -> log, with hooks. Nothing else lives here."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from megatron_mecefo.metrics.logger import MetricsLogger
+from megatron_mecefo.metrics.mfu import mfu, peak_flops
+from megatron_mecefo.training.engine import Engine
+from megatron_mecefo.training.hooks import TrainHook
+
+
+def train(engine: Engine, logger: MetricsLogger, hooks: Sequence[TrainHook] = (),
+          *, start_step: int = 0) -> dict[str, Any]:
+    """Run steps `start_step .. max_steps-1`; returns a summary (losses, val losses, throughput)."""
+    tc = engine.cfg.training
+    peak = peak_flops(_device_name(engine))
+    flops_per_token = engine.cfg.model.flops_per_token()
+    losses, val_losses, tok_rates = [], [], []
+    for step in range(start_step, tc.max_steps):
+        plan = next((p for h in hooks if (p := h.plan_for_step(engine, step)) is not None), None)
+        result = engine.train_step(step, plan)
+        tokens_per_s = result.global_tokens / max(result.step_time_s, 1e-9)
+        record: dict[str, Any] = {
+            "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
+            "tokens_per_s": tokens_per_s, "step_time_s": result.step_time_s,
+            "degraded_microbatches": plan.num_degraded if plan is not None else 0,
+        }
+        util = mfu(tokens_per_s, flops_per_token, engine.ctx.world_size, peak)
+        if util is not None:
+            record["mfu"] = util
+        last = step == tc.max_steps - 1
+        if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
+            record["val_loss"] = engine.evaluate()
+            val_losses.append((step, record["val_loss"]))
+        for hook in hooks:
+            hook.after_step(engine, result, record)
+        logger.log_step(record)
+        losses.append(result.loss)
+        if step > start_step:  # the first step includes one-off warm-up costs
+            tok_rates.append(tokens_per_s)
+        if not math.isfinite(result.loss):
+            logger.print(f"warning: non-finite loss at step {step}")
+    summary = {
+        "steps": len(losses), "first_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "val_losses": val_losses, "final_val_loss": val_losses[-1][1] if val_losses else None,
+        "mean_tokens_per_s": sum(tok_rates) / len(tok_rates) if tok_rates else None,
+        "entropy_floor_nats_per_token": engine.data.entropy_floor_nats_per_token,
+    }
+    for hook in hooks:
+        hook.on_train_end(engine, summary)
+    return summary
+
+
+def _device_name(engine: Engine) -> str | None:
+    if engine.ctx.on_cpu:
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(engine.ctx.device)

@@ -1,0 +1,82 @@
+"""Run directory: resolved config + environment before step 0, summary.json as the completion mark.
+
+A run directory is *complete* only when `summary.json` exists. If set-up fails before the first
+step, a directory this process created is removed, so no partial run dir is left looking valid.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_mecefo.config.loader import to_dict
+from megatron_mecefo.errors import ConfigError
+
+_PACKAGES = ("torch", "megatron-core", "numpy", "sentencepiece", "megatron-mecefo", "triton")
+
+
+class RunDir:
+    """Owns one run directory on rank 0."""
+
+    def __init__(self, path: str | Path, *, overwrite: bool):
+        self.path = Path(path)
+        self.created = False
+        if (self.path / "metrics.jsonl").exists() and not overwrite:
+            raise ConfigError(
+                f"run_dir {self.path} already holds a run; choose another --run-dir or pass "
+                "overwrite=true to replace it"
+            )
+
+    def create(self, config: Any, extra_env: dict[str, Any]) -> None:
+        self.created = not self.path.exists()
+        self.path.mkdir(parents=True, exist_ok=True)
+        for stale in ("metrics.jsonl", "events.jsonl", "summary.json"):
+            (self.path / stale).unlink(missing_ok=True)
+        (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        env = {**environment_info(), **extra_env}
+        (self.path / "env.json").write_text(json.dumps(env, indent=2))
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.path / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        tmp.replace(self.path / "summary.json")
+
+    def discard_if_created(self) -> None:
+        """Remove the directory if this process created it (set-up failed before step 0)."""
+        if self.created and self.path.exists():
+            shutil.rmtree(self.path, ignore_errors=True)
+
+
+def environment_info() -> dict[str, Any]:
+    """Git SHA, package versions, interpreter and host: enough to reproduce a run."""
+    versions = {}
+    for pkg in _PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "git_sha": _git_sha(),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "hostname": platform.node(),
+        "argv": sys.argv,
+        "versions": versions,
+    }
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None

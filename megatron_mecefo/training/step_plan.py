@@ -1,0 +1,65 @@
+"""What one data-parallel rank computes in one step: the seam between the trainer and failover.
+
+A `RankStepPlan` lists the micro-batches a rank runs (whose data, which index, exact or degraded) and
+the gradient scaling that keeps global-batch semantics when replicas are missing. Pure data; no torch.
+
+Scaling contract (DESIGN.md section 3): every micro-batch loss is scaled by `1/microbatches_per_replica`
+whatever the number of micro-batches the rank runs, so a rank covering another counts as two replicas'
+worth. Before the single all-reduce (SUM) every rank multiplies its local gradients by
+`1/num_replicas` (ordinary parameters) or `masked_scale` (attention and input-norm parameters, which
+degraded micro-batches do not produce): `masked_scale = M / E`, E = exact micro-batches in the whole
+group this step, i.e. the average over the replicas-worth that actually computed them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatchTask:
+    """One micro-batch of work."""
+
+    source_dp_rank: int
+    """Logical replica whose data this is (index into the original `num_replicas`)."""
+    micro_index: int
+    """Micro-batch index within that replica's share of the global batch."""
+    degraded: bool = False
+    """Run in MeCeFO degraded mode (attention-backward skip, FFN recompute, low-rank FFN grads)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankStepPlan:
+    """All work of one rank for one step, plus its gradient scaling."""
+
+    tasks: tuple[MicroBatchTask, ...]
+    num_replicas: int
+    """n: replicas in the failure-free job; ordinary gradients are averaged over n."""
+    microbatches_per_replica: int
+    """M: loss scaling is 1/M per micro-batch."""
+    masked_scale: float | None = None
+    """Pre-reduction scale of attention/input-norm grads; None means 1/num_replicas (no masking)."""
+
+    def __post_init__(self) -> None:
+        if self.num_replicas < 1 or self.microbatches_per_replica < 1:
+            raise ValueError("num_replicas and microbatches_per_replica must be >= 1")
+
+    @property
+    def grad_scale(self) -> float:
+        return 1.0 / self.num_replicas
+
+    @property
+    def attention_grad_scale(self) -> float:
+        return self.grad_scale if self.masked_scale is None else self.masked_scale
+
+    @property
+    def num_degraded(self) -> int:
+        return sum(t.degraded for t in self.tasks)
+
+
+def failure_free_plan(dp_rank: int, num_replicas: int, num_microbatches: int) -> RankStepPlan:
+    """The ordinary plan: rank `dp_rank` runs its own `num_microbatches` micro-batches, exact."""
+    tasks = tuple(MicroBatchTask(dp_rank, i) for i in range(num_microbatches))
+    return RankStepPlan(
+        tasks=tasks, num_replicas=num_replicas, microbatches_per_replica=num_microbatches
+    )

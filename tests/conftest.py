@@ -1,0 +1,8 @@
+"""Shared pytest set-up: repo root importable (spawned workers import test modules by name)."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))

@@ -1,7 +1,7 @@
 """Error hierarchy and process exit codes shared by the Python code and the launch scripts.
 
 Every error a user can cause derives from `MecefoError` and carries a one-line, actionable message;
-entry points turn it into a single `error: ...` line and the matching `ExitCode` instead of a traceback.
+entry points turn it into a single `error: ...` line and the matching `ExitCode`, not a traceback.
 """
 
 from __future__ import annotations

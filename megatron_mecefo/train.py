@@ -2,8 +2,8 @@
 
     mecefo-train --config configs/run/demo_cpu.yaml [--run-dir DIR] [--max-steps N] [key=value ...]
 
-A user mistake (bad config, missing data, bad layout) prints one `error: ...` line and exits with the
-code from `megatron_mecefo.errors.ExitCode`; `--dry-run` validates the config without starting.
+A user mistake (bad config, missing data, bad layout) prints one `error: ...` line and exits with
+the code from `megatron_mecefo.errors.ExitCode`; `--dry-run` validates the config without starting.
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "parallel.tensor_model_parallel_size=2. Exit codes: 0 ok, 1 internal error, 2 config, "
         "3 data, 4 distributed, 5 checkpoint.",
     )
-    p.add_argument("--config", required=True, help="run config YAML (e.g. configs/run/demo_cpu.yaml)")
+    p.add_argument(
+        "--config", required=True, help="run config YAML (e.g. configs/run/demo_cpu.yaml)"
+    )
     p.add_argument("--run-dir", help="output directory (overrides run_dir)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (overrides training.max_steps)")
-    p.add_argument("--dry-run", action="store_true",
-                   help="validate the config and print it resolved, then exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate the config and print it resolved, then exit",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     return p.parse_args(argv)
 
@@ -53,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return ExitCode.OK
-    from megatron_mecefo.metrics.logger import MetricsLogger
     from megatron_mecefo.mcore.parallel import init_parallel
+    from megatron_mecefo.metrics.logger import MetricsLogger
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
     from megatron_mecefo.training.run_dir import RunDir
@@ -65,14 +70,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = build_engine(cfg, ctx, log=lambda m: say(m, flush=True))
         if run_dir is not None:
-            run_dir.create(cfg, {"world_size": ctx.world_size, "dp_size": ctx.dp_size,
-                                 "tp_size": ctx.tp_size, "backend": ctx.backend})
+            run_dir.create(
+                cfg,
+                {
+                    "world_size": ctx.world_size,
+                    "dp_size": ctx.dp_size,
+                    "tp_size": ctx.tp_size,
+                    "backend": ctx.backend,
+                },
+            )
     except BaseException:
         if run_dir is not None:
             run_dir.discard_if_created()
         raise
-    logger = MetricsLogger(cfg.logging, cfg.run_dir, enabled=ctx.is_rank0,
-                           total_steps=cfg.training.max_steps, run_config=to_dict(cfg))
+    logger = MetricsLogger(
+        cfg.logging,
+        cfg.run_dir,
+        enabled=ctx.is_rank0,
+        total_steps=cfg.training.max_steps,
+        run_config=to_dict(cfg),
+    )
     try:
         summary = train(engine, logger)
     finally:
@@ -85,14 +102,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict, run_dir: str) -> None:
-    print(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
-          f"{summary['final_loss']:.4f}", flush=True)
+    print(
+        f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
+        f"{summary['final_loss']:.4f}",
+        flush=True,
+    )
     for step, val in summary["val_losses"]:
         print(f"  val_loss @ step {step + 1:>5}: {val:.4f}")
     floor = summary.get("entropy_floor_nats_per_token")
     if floor is not None and summary["final_val_loss"] is not None:
-        print(f"  entropy floor of the demo corpus: {floor:.4f} nats/token "
-              f"(gap {summary['final_val_loss'] - floor:+.4f})")
+        print(
+            f"  entropy floor of the demo corpus: {floor:.4f} nats/token "
+            f"(gap {summary['final_val_loss'] - floor:+.4f})"
+        )
     if summary.get("mean_tokens_per_s"):
         print(f"  throughput: {summary['mean_tokens_per_s']:.0f} tokens/s")
     print(f"  metrics: {run_dir}/metrics.jsonl", flush=True)

@@ -60,7 +60,9 @@ def parse_dotlist(items: list[str]) -> dict[str, Any]:
             if isinstance(nxt, str):  # `model=tiny model.num_layers=3`: preset, then keys on top
                 nxt = node[part] = {_PRESET: nxt}
             if not isinstance(nxt, dict):
-                raise ConfigError(f"override {item!r} conflicts with an earlier override of {part!r}")
+                raise ConfigError(
+                    f"override {item!r} conflicts with an earlier override of {part!r}"
+                )
             node = nxt
         node[parts[-1]] = value
     return out
@@ -227,7 +229,9 @@ def _convert(typ: Any, value: Any, key: str, root: Any) -> Any:  # noqa: C901 - 
             return typ(value)
         except ValueError:
             allowed = ", ".join(repr(m.value) for m in typ)
-            raise ConfigError(f"{key}: {value!r} is not allowed (allowed values: {allowed})") from None
+            raise ConfigError(
+                f"{key}: {value!r} is not allowed (allowed values: {allowed})"
+            ) from None
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")

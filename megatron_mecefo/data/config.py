@@ -11,7 +11,9 @@ def parse_split(split: str) -> list[float]:
     """Parse "train,valid[,test]" weights; `ValueError` unless train and valid are both positive."""
     parts = [p.strip() for p in split.split(",")]
     if not 2 <= len(parts) <= 3 or not all(re.fullmatch(r"\d+(\.\d*)?|\.\d+", p) for p in parts):
-        raise ValueError(f"split {split!r} must look like '98,2' or '949,50,1' (train,valid[,test])")
+        raise ValueError(
+            f"split {split!r} must look like '98,2' or '949,50,1' (train,valid[,test])"
+        )
     weights = [float(p) for p in parts]
     if weights[0] <= 0 or weights[1] <= 0:
         raise ValueError(f"split {split!r} needs a positive train and validation share")
@@ -31,7 +33,7 @@ class DataConfig:
     """Where the demo corpus, its tokenizer and index are generated once and reused; regenerated
     when missing, incomplete, or made with other demo settings."""
     demo_num_documents: int = 8000
-    """Documents in the demo corpus (about 520 bytes and 140 tokens each)."""
+    """Documents in the demo corpus (about 510 bytes and 130 tokens each)."""
     demo_seed: int = 1234
     """Seed of the demo source (its word list and transitions) and of the sampled documents."""
     demo_vocab_size: int = 512

@@ -57,14 +57,18 @@ def read_documents(paths: Iterable[str], *, json_key: str = "text") -> Iterator[
                     if text.strip():
                         yield text
             except UnicodeDecodeError as exc:
-                raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+                raise DataError(
+                    f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})"
+                ) from None
 
 
 def _json_text(line: str, path: str, lineno: int, key: str) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{lineno}: invalid JSON ({exc.msg}); expected one object per line") from None
+        raise DataError(
+            f"{path}:{lineno}: invalid JSON ({exc.msg}); expected one object per line"
+        ) from None
     if not isinstance(record, dict) or key not in record:
         raise DataError(
             f"{path}:{lineno}: no key {key!r} in the record (choose the text field with --json-key)"
@@ -122,7 +126,8 @@ def preprocess(
 ) -> PreprocessResult:
     """Train a tokenizer (unless `tokenizer_model` is given) and write the indexed dataset.
 
-    Outputs: `<output_prefix>.bin`, `<output_prefix>.idx` and, when trained, `<output_prefix>.model`.
+    Outputs: `<output_prefix>.bin`, `<output_prefix>.idx` and, when trained,
+    `<output_prefix>.model`.
     """
     paths = check_inputs(inputs)
     trained_tmp = None

@@ -39,8 +39,8 @@ class MarkovSourceSpec:
     def __post_init__(self) -> None:
         if self.num_words < 2 or not 1 <= self.branching <= self.num_words:
             raise ValueError("need num_words >= 2 and 1 <= branching <= num_words")
-        if self.zipf_exponent < 0 or self.mean_document_words < 1:
-            raise ValueError("need zipf_exponent >= 0 and mean_document_words >= 1")
+        if self.zipf_exponent < 0 or self.mean_document_words < 2:
+            raise ValueError("need zipf_exponent >= 0 and mean_document_words >= 2")
 
 
 @dataclasses.dataclass
@@ -68,7 +68,7 @@ class MarkovSource:
         self.words = _make_words(rng, spec.num_words)
         self.boundary = spec.num_words
         w, k = spec.num_words, spec.branching
-        # Successors are drawn (distinct) by a global Zipfian popularity, so short words are frequent.
+        # Successors are drawn (distinct) by a global Zipfian popularity: short words are frequent.
         popularity = 1.0 / np.arange(1, w + 1) ** 1.0
         popularity /= popularity.sum()
         zipf = 1.0 / np.arange(1, k + 1) ** spec.zipf_exponent
@@ -101,7 +101,7 @@ class MarkovSource:
         return mat
 
     def stationary_distribution(self) -> np.ndarray:
-        """Solve pi P = pi, sum(pi) = 1 exactly (dense linear solve; the chain has one closed class)."""
+        """Solve pi P = pi, sum(pi) = 1 exactly (dense solve; the chain has one closed class)."""
         mat = self.transition_matrix()
         n = self.num_states
         a = mat.T - np.eye(n)

@@ -45,12 +45,17 @@ def train_tokenizer(
 
     proto = io.BytesIO()
     seen = [0]
+    reader_error: list[BaseException] = []
 
     def counted(items: Iterable[str]) -> Iterator[str]:
-        for item in items:
-            if item.strip():
-                seen[0] += 1
-                yield item
+        try:
+            for item in items:
+                if item.strip():
+                    seen[0] += 1
+                    yield item
+        except Exception as exc:  # sentencepiece would bury it in its own RuntimeError text
+            reader_error.append(exc)
+            raise
 
     try:
         sentencepiece.SentencePieceTrainer.train(
@@ -68,7 +73,11 @@ def train_tokenizer(
             **_SPECIAL_IDS,
         )
     except RuntimeError as exc:
+        if reader_error:
+            raise reader_error[0] from None
+        # e.g. "INTERNAL: src/trainer_interface.cc(744) [...] Vocabulary size too high (9000). ..."
         msg = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        msg = msg.rsplit("] ", 1)[-1]
         if seen[0] == 0:
             raise DataError("no text to train the tokenizer on: the input is empty") from None
         raise DataError(
@@ -78,7 +87,7 @@ def train_tokenizer(
 
 
 def load_tokenizer(model_path: str) -> SentencePieceTokenizer:
-    """Load a sentencepiece `.model` as a Megatron tokenizer; `DataError` if missing or unreadable."""
+    """Load a sentencepiece `.model` as a Megatron tokenizer; `DataError` if missing/unreadable."""
     from megatron_mecefo.mcore.datasets import SentencePieceTokenizer
 
     return SentencePieceTokenizer(model_path)

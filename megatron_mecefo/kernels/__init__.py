@@ -3,7 +3,7 @@
 Public API (the only thing MeCeFO code should import from here):
 `linear_with_projection` (forward: y = x W^T and x_proj = x V in one GEMM), `lowrank_weight_grad`
 (backward: main_grad (+)= (G_y^T x_proj) V^T without an m x n temporary) and `triton_available`.
-Triton is imported lazily, only when a Triton backend is actually used; this module never imports it.
+Triton is imported lazily, only when the Triton backend is used; this module never imports it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,9 @@ def _use_triton(backend: str, *tensors: Tensor) -> bool:
             "CPU tests); use backend='auto' to fall back to torch"
         )
     if not on_cuda and not _interpreting():
-        raise RuntimeError("backend='triton' got CPU tensors; that only works with TRITON_INTERPRET=1")
+        raise RuntimeError(
+            "backend='triton' got CPU tensors; that only works with TRITON_INTERPRET=1"
+        )
     return True
 
 

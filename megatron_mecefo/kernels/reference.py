@@ -29,7 +29,7 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def check_inputs_forward(x: Tensor, weight: Tensor, v: Tensor) -> None:
-    """Raise `ValueError` unless x [b, n], weight [m, n], v [n, r] agree in rank, shape and dtype."""
+    """Raise `ValueError` unless x [b, n], weight [m, n], v [n, r] agree in shape and dtype."""
     if x.dim() != 2 or weight.dim() != 2 or v.dim() != 2:
         raise ValueError(
             f"expected 2-D x [b, n], weight [m, n], v [n, r] (flatten tokens first); got "

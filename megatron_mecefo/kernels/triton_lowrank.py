@@ -98,7 +98,7 @@ def _tile_matmul(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Return A[offs_row, k_begin:k_end] @ B[k_begin:k_end, offs_col] as a [BLOCK_ROW, BLOCK_COL] tile.
+    """A[offs_row, k_begin:k_end] @ B[k_begin:k_end, offs_col] as a [BLOCK_ROW, BLOCK_COL] tile.
 
     A and B are addressed through explicit strides, so transposed or non-contiguous views (W read as
     W^T, G_y read as G_y^T) cost nothing. Rows/cols beyond `rows`/`cols` and k beyond `k_end` are
@@ -272,8 +272,8 @@ def _expand_into_kernel(
     PRECISION: tl.constexpr,
 ):
     # Each program owns one [BLOCK_M, BLOCK_N] tile of main_grad: it reduces over the short rank
-    # dimension r (T tile [BLOCK_M, BLOCK_K] in ACC_DTYPE, V^T tile [BLOCK_K, BLOCK_N] read through V's
-    # strides and upcast to ACC_DTYPE), then reads main_grad once, adds, writes once.
+    # dimension r (T tile [BLOCK_M, BLOCK_K] in ACC_DTYPE, V^T tile [BLOCK_K, BLOCK_N] read through
+    # V's strides and upcast to ACC_DTYPE), then reads main_grad once, adds, writes once.
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -320,7 +320,7 @@ def linear_with_projection_triton(
     """Triton forward: (x @ weight.T, x @ v) from one launch; see `kernels.linear_with_projection`.
 
     Args:
-        x: [b, n]; weight: [m, n]; v: [n, r]; one dtype, any strides (inputs are not validated here).
+        x: [b, n]; weight: [m, n]; v: [n, r]; one dtype, any strides (not validated here).
         tiles: Tile override (tests); block_m tiles tokens, block_n tiles both m and r.
         group_b: Row tiles per L2 group.
 
@@ -336,7 +336,9 @@ def linear_with_projection_triton(
     if n == 0:
         return y.zero_(), x_proj.zero_()
     cfg = tiles or _default_tiles(x.dtype, "forward")
-    grid = (triton.cdiv(b, cfg.block_m) * (triton.cdiv(m, cfg.block_n) + triton.cdiv(r, cfg.block_n)),)
+    grid = (
+        triton.cdiv(b, cfg.block_m) * (triton.cdiv(m, cfg.block_n) + triton.cdiv(r, cfg.block_n)),
+    )
     _linear_with_projection_kernel[grid](
         x, weight, v, y, x_proj, b, n, m, r,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), v.stride(0), v.stride(1),
@@ -349,17 +351,28 @@ def linear_with_projection_triton(
     return y, x_proj
 
 
-def _choose_split(b: int, tiles: int, block_k: int, device: torch.device) -> int:
-    """Token splits for stage 1: enough programs for ~2 waves, each split >= 4 K-blocks long."""
+_MAX_PARTIAL_BYTES = 32 * 2**20
+
+
+def _choose_split(
+    b: int, tiles: int, block_k: int, partial_bytes: int, device: torch.device
+) -> int:
+    """Token splits for stage 1: enough programs for ~2 waves, each split >= 4 K-blocks long, and
+    the [splits, m, r] partials under 32 MiB (they are the only temporaries of the backward)."""
     if _interpreting():
         return 1
     want = triton.cdiv(2 * _num_sms(device), max(tiles, 1))
     most = max(1, b // (4 * block_k))
-    return max(1, min(want, most, 64))
+    fits = max(1, _MAX_PARTIAL_BYTES // max(partial_bytes, 1))
+    return max(1, min(want, most, fits, 64))
 
 
 def grad_projection_triton(
-    grad_output: Tensor, x_proj: Tensor, *, tiles: TileConfig | None = None, split_k: int | None = None
+    grad_output: Tensor,
+    x_proj: Tensor,
+    *,
+    tiles: TileConfig | None = None,
+    split_k: int | None = None,
 ) -> Tensor:
     """Stage 1: T = grad_output.T @ x_proj, [m, r] in the accumulation dtype (fp32 or fp64).
 
@@ -385,7 +398,8 @@ def grad_projection_triton(
             num_stages=cfg.num_stages,
         )
     tiles_mr = triton.cdiv(m, cfg.block_m) * triton.cdiv(r, cfg.block_n)
-    splits = split_k or _choose_split(b, tiles_mr, cfg.block_k, grad_output.device)
+    partial_bytes = m * r * (8 if acc_dtype == torch.float64 else 4)
+    splits = split_k or _choose_split(b, tiles_mr, cfg.block_k, partial_bytes, grad_output.device)
     splits = max(1, min(splits, triton.cdiv(max(b, 1), cfg.block_k)))
     # Whole K-blocks per split, so only the last split has a ragged end.
     tokens_per_split = triton.cdiv(triton.cdiv(max(b, 1), splits), cfg.block_k) * cfg.block_k
@@ -461,7 +475,7 @@ def lowrank_weight_grad_triton(
     tiles_expand: TileConfig | None = None,
     split_k: int | None = None,
 ) -> Tensor:
-    """Triton backward: (grad_output.T @ x_proj) @ v.T into `out`; see `kernels.lowrank_weight_grad`.
+    """Triton backward: (grad_output.T @ x_proj) @ v.T into `out`; see `lowrank_weight_grad`.
 
     Two launches: stage 1 reduces over tokens into the small T [m, r] (fp32), stage 2 expands T by
     V^T tile by tile straight into `out` (main_grad). Only T (m x r) is materialised.

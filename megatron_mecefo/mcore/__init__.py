@@ -1,2 +1,3 @@
 """The only package that imports `megatron.core`: model build, parallel state, DDP/optimizer stack,
-the CPU compatibility layer and dataset adapters. Submodules import megatron lazily where they can."""
+the CPU compatibility layer and dataset adapters. Submodules import megatron lazily where they
+can."""

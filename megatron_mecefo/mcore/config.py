@@ -37,11 +37,17 @@ class ModelConfig:
     attention_dropout: float = 0.0
     """Dropout on attention probabilities."""
     spec: Literal["auto", "te", "local"] = "auto"
-    """Layer spec: Transformer Engine ('te', needs CUDA + TE), megatron local ('local'), or 'auto'."""
+    """Layer spec: Transformer Engine ('te', needs CUDA + TE), megatron 'local', or 'auto'."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                     "vocab_size", "seq_length"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "vocab_size",
+            "seq_length",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
@@ -58,13 +64,17 @@ class ModelConfig:
     def num_parameters(self) -> int:
         """Parameter count (embedding + output layer + layers + final norm)."""
         d, f, layers = self.hidden_size, self.ffn_hidden_size, self.num_layers
-        kv = d if self.num_query_groups is None else d // self.num_attention_heads * self.num_query_groups
+        kv = (
+            d
+            if self.num_query_groups is None
+            else d // self.num_attention_heads * self.num_query_groups
+        )
         attn = d * (d + 2 * kv) + d * d
         ffn = 2 * f * d + d * f
         return 2 * self.vocab_size * d + layers * (attn + ffn + 2 * d) + d
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (6N for matmuls + attention scores), as in the MFU convention."""
+        """Training FLOPs per token: 6N for the matmuls plus attention scores (MFU convention)."""
         d, s, layers = self.hidden_size, self.seq_length, self.num_layers
         dense = self.num_parameters() - self.vocab_size * d  # input embedding is a lookup
         return 6.0 * dense + 12.0 * layers * d * s

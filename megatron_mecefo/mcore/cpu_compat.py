@@ -1,12 +1,12 @@
 """CPU compatibility layer: lets the real megatron-core 0.16.1 stack run without CUDA.
 
 Megatron hard-codes `device="cuda"` in hundreds of places (schedules, DDP buffers, optimizer, clip
-grads, dist_checkpointing). `apply()` installs a TorchFunctionMode that rewrites CUDA device arguments
-to CPU, swaps the CUDA RNG tracker for a CPU one and stubs the few `torch.cuda` calls that have no
+grads, dist_checkpointing). `apply()` installs a TorchFunctionMode that rewrites CUDA device
+arguments to CPU, swaps the CUDA RNG tracker for a CPU one and stubs the few `torch.cuda` calls that have no
 tensor. It is applied only when CUDA is absent (`apply_if_needed`), and never on a GPU machine.
 
 Caveats (see shared/notes/megatron-core-on-cpu.md): the mode is thread-local, so threads the project
-starts must enter `CudaToCpuMode()` themselves; `Tensor.type()` reports `torch.cuda.*` under the mode.
+starts must enter `CudaToCpuMode()` themselves; `Tensor.type()` reports `torch.cuda.*` under it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ class CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # megatron's clip_grads asserts grads are 'torch.cuda.FloatTensor'
             name = func(*args)
-            return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            return (
+                name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+            )
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device=_CPU)
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):

@@ -1,9 +1,9 @@
-"""Megatron-Core data seams: the sentencepiece tokenizer, indexed-dataset I/O and GPTDataset building.
+"""Megatron-Core data seams: sentencepiece tokenizer, indexed-dataset I/O, GPTDataset building.
 
-Owns everything in the data pipeline that touches `megatron.core`: a `MegatronTokenizerBase` subclass
-over a sentencepiece model, writing/validating `.bin/.idx` files, and building the train/valid
-`GPTDataset`s through `BlendedMegatronDatasetBuilder` with an index cache. It never calls a
-`torch.distributed` collective: rank ordering goes through the `barrier` callback the caller passes.
+Owns everything in the data pipeline that touches `megatron.core`: a `MegatronTokenizerBase`
+subclass over a sentencepiece model, writing/validating `.bin/.idx` files, and building the
+train/valid `GPTDataset`s through `BlendedMegatronDatasetBuilder` with an index cache. It never
+calls a `torch.distributed` collective: rank ordering uses the `barrier` callback the caller passes.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class SentencePieceTokenizer(MegatronTokenizerBase):
         super().__init__(model_path, {})
         if not os.path.isfile(model_path):
             raise DataError(
-                f"tokenizer model not found: {model_path} (set data.tokenizer_model to the .model "
-                "file written by tools/preprocess_data.py)"
+                f"tokenizer model not found: {model_path} (give the .model file written by "
+                "tools/preprocess_data.py as data.tokenizer_model or --tokenizer-model)"
             )
         with open(model_path, "rb") as f:
             blob = f.read()
@@ -221,7 +221,7 @@ def validate_indexed_dataset(prefix: str) -> IndexInfo:
 
 
 def check_token_ids(prefix: str, vocab_size: int, *, max_tokens: int = 1 << 26) -> None:
-    """`DataError` if a token id in (the first `max_tokens` tokens of) `<prefix>.bin` >= vocab_size."""
+    """`DataError` if a token id among the first `max_tokens` of `<prefix>.bin` >= vocab_size."""
     info = validate_indexed_dataset(prefix)
     count = min(info.num_tokens, max_tokens)
     tokens = np.memmap(f"{prefix}.bin", mode="r", dtype=info.dtype, shape=(count,))
@@ -268,7 +268,7 @@ class _CallerOrderedBuilder(BlendedMegatronDatasetBuilder):
     """
 
     @staticmethod
-    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):  # noqa: ARG004
+    def build_generic_dataset(cls, is_built_on_rank, synchronize_ranks, *args):
         return cls(*args)
 
 

@@ -93,7 +93,9 @@ def _init_default_group(backend: str, timeout_s: float) -> None:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python -m ...` run: one process, no rendezvous needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
 
 
 def seed_everything(seed: int) -> None:

@@ -1,8 +1,8 @@
 """Megatron DDP + optimizer + forward-backward schedule, with the gradient reduction owned by us.
 
 Megatron's DDP binds its DP group and `1/dp` scaling at construction. Instead of rebuilding it on
-every membership change, `PlanGradReducer` is installed as `finalize_model_grads_func`: it pre-scales
-the contiguous grad buffers per parameter (ordinary 1/n, attention/input-norm `masked_scale`) and
+every membership change, `PlanGradReducer` is installed as `finalize_model_grads_func`: it
+pre-scales the contiguous grad buffers per parameter (ordinary 1/n, attention/input-norm `masked_scale`) and
 does ONE SUM all-reduce per buffer on whatever DP group the current generation uses.
 """
 
@@ -87,8 +87,12 @@ class PlanGradReducer:
         is_masked_param: name -> True for attention / input-norm params (masked averaging).
     """
 
-    def __init__(self, ddp, group: dist.ProcessGroup | None,
-                 is_masked_param: Callable[[str], bool] | None = None):
+    def __init__(
+        self,
+        ddp,
+        group: dist.ProcessGroup | None,
+        is_masked_param: Callable[[str], bool] | None = None,
+    ):
         self.ddp = ddp
         self.group = group
         self.grad_scale = 1.0
@@ -100,7 +104,9 @@ class PlanGradReducer:
         names = {p: n for n, p in ddp.module.named_parameters()}
         masks = []
         for buffer in ddp.buffers + ddp.expert_parallel_buffers:
-            mask = torch.zeros(buffer.grad_data.numel(), dtype=torch.bool, device=buffer.grad_data.device)
+            mask = torch.zeros(
+                buffer.grad_data.numel(), dtype=torch.bool, device=buffer.grad_data.device
+            )
             for param, (start, end, _bucket) in buffer.param_index_map.items():
                 if is_masked_param(names[param]):
                     mask[start:end] = True
@@ -111,7 +117,9 @@ class PlanGradReducer:
         self.grad_scale = grad_scale
         self.attention_grad_scale = attention_grad_scale
 
-    def __call__(self, model_chunks=None, num_tokens=None, pg_collection=None, force_all_reduce=False):
+    def __call__(
+        self, model_chunks=None, num_tokens=None, pg_collection=None, force_all_reduce=False
+    ):
         """Signature of megatron's `finalize_model_grads_func`; all DP ranks call this in order."""
         buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
         for i, buffer in enumerate(buffers):

@@ -18,8 +18,16 @@ from megatron_mecefo.metrics.sinks import JsonlSink, MetricSink, TensorBoardSink
 class MetricsLogger:
     """Collects per-step metrics on rank 0. On other ranks every method is a no-op."""
 
-    def __init__(self, cfg: LoggingConfig, run_dir: str | Path, *, enabled: bool,
-                 total_steps: int, start_step: int = 0, run_config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: str | Path,
+        *,
+        enabled: bool,
+        total_steps: int,
+        start_step: int = 0,
+        run_config: dict[str, Any] | None = None,
+    ):
         self.cfg = cfg
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -33,8 +41,14 @@ class MetricsLogger:
         if cfg.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         if cfg.wandb:
-            self._sinks.append(WandbSink(project=cfg.wandb_project, mode=cfg.wandb_mode,
-                                         run_dir=str(self.run_dir), config=run_config or {}))
+            self._sinks.append(
+                WandbSink(
+                    project=cfg.wandb_project,
+                    mode=cfg.wandb_mode,
+                    run_dir=str(self.run_dir),
+                    config=run_config or {},
+                )
+            )
         if cfg.progress_bar and sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -50,8 +64,12 @@ class MetricsLogger:
                 sink.write(record)
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        elif self.cfg.print_interval and (step % self.cfg.print_interval == 0 or "val_loss" in record):
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}"
+            )
+        elif self.cfg.print_interval and (
+            step % self.cfg.print_interval == 0 or "val_loss" in record
+        ):
             self.print(_format_line(record))
 
     def log_event(self, event_type: str, **fields: Any) -> None:
@@ -81,8 +99,11 @@ def _format_line(record: dict[str, Any]) -> str:
     parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
-    parts += [f"lr {record['lr']:.2e}", f"gnorm {record['grad_norm']:.3f}",
-              f"{record['tokens_per_s']:.0f} tok/s"]
+    parts += [
+        f"lr {record['lr']:.2e}",
+        f"gnorm {record['grad_norm']:.3f}",
+        f"{record['tokens_per_s']:.0f} tok/s",
+    ]
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
     return " | ".join(parts)

@@ -23,7 +23,9 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, num_devices: int, peak: float | None) -> float | None:
+def mfu(
+    tokens_per_s: float, flops_per_token: float, num_devices: int, peak: float | None
+) -> float | None:
     """Fraction of peak achieved; None when the peak is unknown."""
     if peak is None or num_devices < 1:
         return None

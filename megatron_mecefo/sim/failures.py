@@ -1,9 +1,9 @@
 """Failure processes and failure traces (vectorised; no per-GPU Python objects).
 
-`FailureProcess` is the stochastic part of a failure-scenario file (`scenario.py`). Defaults come from
-the Llama 3 405B run: 419 unexpected interruptions in 54 days on 16,384 GPUs, about 50.7k GPU-hours
-between failures per GPU. A trace is a time-sorted list of (time_s, group, repair_s) events that every
-strategy in `simulator.py` replays, so strategies are compared on the same failures.
+`FailureProcess` is the stochastic part of a failure-scenario file (`scenario.py`). Defaults come
+from the Llama 3 405B run: 419 unexpected interruptions in 54 days on 16,384 GPUs, about 50.7k GPU-
+hours between failures per GPU. A trace is a time-sorted list of (time_s, group, repair_s) events
+that every strategy in `simulator.py` replays, so strategies are compared on the same failures.
 """
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ class FailureProcess:
     "system": one renewal process for the whole cluster (inter-arrival law with mean system MTBF),
     each failure hitting a uniformly random GPU."""
     gpu_mtbf_h: float | None = None
-    """Mean time between failures of one GPU, hours. Default (both MTBFs unset): Llama 3 405B value."""
+    """Mean time between failures of one GPU, hours. Default (both MTBFs unset): Llama 3 405B
+    value."""
     system_mtbf_s: float | None = None
     """Mean time between failures of the whole cluster, seconds (= GPU MTBF / number of GPUs)."""
     weibull_shape: float = 0.78
     """Weibull shape k (only used with distribution: weibull)."""
     repair_time_s: float | None = None
-    """Time until a failed GPU is back (repaired or replaced by a hot spare) and its group may rejoin
-    without a restart. null: it comes back only with the next job restart."""
+    """Time until a failed GPU is back (repaired or swapped for a hot spare) and its group may
+    rejoin without a restart. null: it comes back only with the next job restart."""
 
     def __post_init__(self) -> None:
         if self.gpu_mtbf_h is not None and self.system_mtbf_s is not None:

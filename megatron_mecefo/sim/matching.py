@@ -1,10 +1,12 @@
-"""Minimum stack number after failures: Hopcroft-Karp, a fast Hall-condition form, fewest-moves reorder.
+"""Minimum stack number after failures: Hopcroft-Karp, a fast Hall-condition form, fewest-moves
+reorder.
 
-Shard j is held by the groups whose stacks contain it, g in [j-r+1, j] (mod N). With dead groups, the
-live groups must cover all N shards with at most S shards each; the smallest such S is the minimum
-stack number. `min_stack_number` finds it with Hopcroft-Karp on the slot-expanded bipartite graph (the
-reference); `min_stack_fast` evaluates Hall's condition on cyclic intervals (same answer, used by the
-simulator); `reorder_min_moves` picks, among minimum-S assignments, one that moves the fewest shards.
+Shard j is held by the groups whose stacks contain it, g in [j-r+1, j] (mod N). With dead groups,
+the live groups must cover all N shards with at most S shards each; the smallest such S is the
+minimum stack number. `min_stack_number` finds it with Hopcroft-Karp on the slot-expanded bipartite
+graph (the reference); `min_stack_fast` evaluates Hall's condition on cyclic intervals (same answer,
+used by the simulator); `reorder_min_moves` picks, among minimum-S assignments, one that moves the
+fewest shards.
 """
 
 from __future__ import annotations
@@ -144,6 +146,32 @@ def min_stack_fast(dead_sorted: np.ndarray, num_groups: int, redundancy: int) ->
     if np.any(ok):
         best = max(best, int((-(-shards[ok] // alive[ok])).max()))
     return best if best <= redundancy else None
+
+
+def min_stack_after_failure(
+    dead_sorted: np.ndarray, group: int, stacks: int, num_groups: int, redundancy: int
+) -> int:
+    """Incremental min stack number after `group` (already in `dead_sorted`) died, O(k * steps).
+
+    Holder ranges not containing `group` kept their live count, so they still satisfy the old
+    `stacks`; only ranges through `group` are re-checked. For such a range, from the a-th dead group
+    counter-clockwise to the b-th clockwise, Hall's violation S*D - (S-1)*span > r-1 separates into
+    F(a) + G(b) > r - 2 with a + b <= k - 1, a prefix-max scan. The caller ensures no r-run is dead.
+    """
+    d = np.asarray(dead_sorted, dtype=np.int64)
+    k = d.size
+    c = int(np.searchsorted(d, group))
+    steps = np.arange(k)
+    x = (group - d[(c - steps) % k]) % num_groups  # distance back to the a-th dead group
+    y = (d[(c + steps) % k] - group) % num_groups  # distance on to the b-th dead group
+    s = max(stacks, -(-num_groups // (num_groups - k)))
+    while s < redundancy:
+        f = s * steps - (s - 1) * x
+        h = np.maximum.accumulate(s * steps - (s - 1) * y)
+        if int((f + h[::-1]).max()) <= redundancy - 2:
+            return s
+        s += 1
+    return s
 
 
 def reorder_min_moves(dead, num_groups: int, redundancy: int) -> tuple[int, dict[int, int], int]:

@@ -111,9 +111,7 @@ class SimResult:
         }
 
 
-def checkpoint_period(
-    job: JobConfig, strategy: Strategy, system_mtbf_s: float | None
-) -> float:
+def checkpoint_period(job: JobConfig, strategy: Strategy, system_mtbf_s: float | None) -> float:
     """The configured T_c, else T_c* for this strategy's expected time between fatal failures."""
     if not strategy.uses_disk_checkpoints:
         return math.inf
@@ -181,6 +179,9 @@ class _Run:
         self.progress = self.saved
         self.strategy.reset()
         self.rejoins.clear()
+        times = self.trace.times_s
+        while self.i < times.size and times[self.i] < self.t:
+            self.i += 1  # failures during the restart are absorbed by it
         self.next_save = self.t + self.period_s - self.job.checkpoint_save_s
         self.log(1)
 
@@ -191,8 +192,9 @@ class _Run:
         tr = self.trace
         restarts = self.restarts
         while self.i < tr.times_s.size and tr.times_s[self.i] < end:
-            self.fail(max(self.t, tr.times_s[self.i]), int(tr.groups[self.i]), tr.repair_s[self.i])
+            i = self.i
             self.i += 1
+            self.fail(max(self.t, tr.times_s[i]), int(tr.groups[i]), float(tr.repair_s[i]))
             if self.restarts > restarts:
                 return
         self.t = end
@@ -217,11 +219,6 @@ def simulate(
         raise ConfigError(f"trace names a group outside 0..{job.num_groups - 1}")
     finished = False
     while True:
-        # skip failures that happened while the job was down (absorbed by the restart)
-        while run.i < times.size and times[run.i] < run.t and not run.strategy.num_dead:
-            if run.restarts == 0 and run.masked == 0 and run.t == 0.0:
-                break
-            run.i += 1
         rate_time = job.step_time_s * strategy.multiplier()
         t_finish = run.t + (job.num_steps - run.progress) * rate_time
         t_fail = max(run.t, times[run.i]) if run.i < times.size else math.inf
@@ -234,8 +231,9 @@ def simulate(
             finished = True
             break
         if t_next == t_fail:
-            run.fail(t_fail, int(groups[run.i]), float(repairs[run.i]))
+            i = run.i
             run.i += 1
+            run.fail(t_fail, int(groups[i]), float(repairs[i]))
         elif t_next == t_rejoin:
             _, group = heapq.heappop(run.rejoins)
             strategy.rejoin(group)

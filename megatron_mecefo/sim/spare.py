@@ -52,7 +52,8 @@ def endurable_failures(num_groups: int, redundancy: int) -> float:
 
 
 def endurable_failures_replication(num_groups: int, redundancy: int) -> float:
-    """Same for classic r-fold replication (N/r disjoint replica sets): Gamma(1+1/r) N (r/N)^(1/r)."""
+    """Same for classic r-fold replication (N/r disjoint replica sets): Gamma(1+1/r) N
+    (r/N)^(1/r)."""
     check_layout(num_groups, redundancy)
     r = redundancy
     return math.gamma(1.0 + 1.0 / r) * num_groups * (r / num_groups) ** (1.0 / r)
@@ -97,6 +98,7 @@ def endurable_failures_monte_carlo(
 
     Args:
         layout: "spare" (cyclic stacks) or "replication" (N/r disjoint sets; needs r | N).
+            Trials run a Python loop per failure: keep N in the low thousands.
     """
     check_layout(num_groups, redundancy)
     if layout not in ("spare", "replication"):
@@ -105,10 +107,7 @@ def endurable_failures_monte_carlo(
         raise ValueError(f"replication needs r to divide N, got N={num_groups}, r={redundancy}")
     rng = np.random.default_rng(seed)
     counts = np.array(
-        [
-            _fatal_index(rng.permutation(num_groups), redundancy, layout) + 1
-            for _ in range(trials)
-        ],
+        [_fatal_index(rng.permutation(num_groups), redundancy, layout) + 1 for _ in range(trials)],
         dtype=float,
     )
     return float(counts.mean()), float(counts.std(ddof=1) / math.sqrt(trials))
@@ -220,11 +219,9 @@ def optimal_redundancy(
     scheme: str = "spare",
     max_redundancy: int = 16,
 ) -> tuple[int, float]:
-    """argmin_r J(r) over 1..max_redundancy (replication: divisors of N only): (r, J)."""
+    """argmin_r J(r) over 1..max_redundancy: (r, J)."""
     best: tuple[int, float] | None = None
     for r in range(1, min(max_redundancy, num_groups) + 1):
-        if scheme == "replication" and num_groups % r:
-            continue
         j = time_to_train_ratio(num_groups, r, system_mtbf_s, restart_s, save_s, scheme=scheme)
         if best is None or j < best[1]:
             best = (r, j)

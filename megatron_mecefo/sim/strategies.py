@@ -1,8 +1,8 @@
 """Fault-tolerance strategies as small state machines over the set of dead DP groups.
 
-Each strategy answers three questions for the simulator: is this failure fatal (job restart), what is
-the per-step time multiplier now (relative to a failure-free step without redundancy), and what does
-a rejoin do. Strategies: checkpoint-restart, r-fold replication, SPARe, MeCeFO failover
+Each strategy answers three questions for the simulator: is this failure fatal (job restart), what
+is the per-step time multiplier now (relative to a failure-free step without redundancy), and what
+does a rejoin do. Strategies: checkpoint-restart, r-fold replication, SPARe, MeCeFO failover
 (neighbor / spread / hybrid) and in-memory snapshot recovery. All but snapshot also take disk
 checkpoints; the simulator owns time, checkpoints and restarts.
 """
@@ -18,7 +18,7 @@ import numpy as np
 
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.sim import spare
-from megatron_mecefo.sim.matching import min_stack_fast
+from megatron_mecefo.sim.matching import min_stack_after_failure, min_stack_fast
 
 STRATEGY_NAMES = ("ckpt", "replication", "spare", "mecefo", "snapshot")
 
@@ -31,7 +31,7 @@ class StrategyConfig:
     """ckpt: checkpoint-restart; replication: r-fold replication + ckpt; spare: SPARe + ckpt;
     mecefo: MeCeFO failover + ckpt; snapshot: restart from the in-memory snapshot."""
     redundancy: int = 1
-    """r for replication (must divide the number of groups) and SPARe (stack depth)."""
+    """r for replication (copies of each shard) and SPARe (stack depth); r <= N."""
     takeover_policy: Literal["neighbor", "spread", "hybrid"] = "hybrid"
     """MeCeFO: who runs a dead group's micro-batches (DESIGN.md section 3)."""
     neighbor_step_ratio: float = 1.56
@@ -67,7 +67,9 @@ class StrategyConfig:
         if self.microbatches_per_rank < 1:
             raise ConfigError("microbatches_per_rank must be >= 1")
         if not 0.0 < self.min_alive_fraction <= 1.0:
-            raise ConfigError(f"min_alive_fraction must be in (0, 1], got {self.min_alive_fraction}")
+            raise ConfigError(
+                f"min_alive_fraction must be in (0, 1], got {self.min_alive_fraction}"
+            )
         for name in ("failover_s", "restart_s", "checkpoint_interval_s"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -138,14 +140,18 @@ class Snapshot(Strategy):
 
 
 class Replication(Strategy):
-    """N/r disjoint replica sets, each set computing r shards' worth per step; fatal if a set dies."""
+    """floor(N/r) disjoint replica sets (the last one absorbs N mod r extra groups), each computing
+    r shards' worth per step; a set whose groups are all dead loses its shards (fatal)."""
 
     def __init__(self, config: StrategyConfig, num_groups: int, job_restart_s: float) -> None:
         super().__init__(config, num_groups, job_restart_s)
         r = config.redundancy
-        if r > num_groups or num_groups % r:
-            raise ConfigError(f"replication r={r} must divide the number of groups N={num_groups}")
-        self.set_dead = np.zeros(num_groups // r, dtype=np.int64)
+        if r > num_groups:
+            raise ConfigError(f"replication r={r} exceeds the number of groups N={num_groups}")
+        num_sets = num_groups // r
+        self.set_of = np.minimum(np.arange(num_groups) // r, num_sets - 1)
+        self.set_size = np.bincount(self.set_of, minlength=num_sets)
+        self.set_dead = np.zeros(num_sets, dtype=np.int64)
 
     def reset(self) -> None:
         super().reset()
@@ -154,13 +160,13 @@ class Replication(Strategy):
     def fail(self, group: int) -> bool:
         self.dead[group] = True
         self.num_dead += 1
-        s = group // self.config.redundancy
+        s = self.set_of[group]
         self.set_dead[s] += 1
-        return bool(self.set_dead[s] >= self.config.redundancy)
+        return bool(self.set_dead[s] >= self.set_size[s])
 
     def rejoin(self, group: int) -> None:
         if self.dead[group]:
-            self.set_dead[group // self.config.redundancy] -= 1
+            self.set_dead[self.set_of[group]] -= 1
         super().rejoin(group)
 
     def multiplier(self) -> float:
@@ -192,9 +198,13 @@ class Spare(Strategy):
         bisect.insort(self.dead_sorted, group)
         if spare.dead_run_length(self.dead, group) >= self.config.redundancy:
             return True
-        stacks = min_stack_fast(np.array(self.dead_sorted), self.num_groups, self.config.redundancy)
-        assert stacks is not None  # no r-run of dead groups, so every shard has a live holder
-        self.stacks = stacks
+        self.stacks = min_stack_after_failure(
+            np.array(self.dead_sorted),
+            group,
+            self.stacks,
+            self.num_groups,
+            self.config.redundancy,
+        )
         return False
 
     def rejoin(self, group: int) -> None:

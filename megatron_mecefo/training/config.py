@@ -53,7 +53,9 @@ class TrainingConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})")
+            raise ValueError(
+                f"need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})"
+            )
         if self.warmup_steps < 0 or self.eval_interval < 0 or self.clip_grad < 0:
             raise ValueError("warmup_steps, eval_interval and clip_grad must be >= 0")
         if self.lr_decay_steps is not None and self.lr_decay_steps < max(1, self.warmup_steps):
@@ -61,5 +63,6 @@ class TrainingConfig:
         if self.use_distributed_optimizer:
             raise ValueError(
                 "use_distributed_optimizer=true is not supported yet: the MeCeFO gradient "
-                "reduction all-reduces full grad buffers; set training.use_distributed_optimizer=false"
+                "reduction all-reduces full grad buffers; "
+                "set training.use_distributed_optimizer=false"
             )

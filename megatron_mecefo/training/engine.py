@@ -2,8 +2,8 @@
 
 `train_step(step, plan)` is the whole step, readable top to bottom: set LR, refresh low-rank bases,
 zero grads, run the plan's micro-batches through megatron's schedule (each in its own mode), reduce
-gradients with the plan's scaling, optimizer step. Failover (a later stage) only changes the plan and
-the DP group; the step itself never branches on failures.
+gradients with the plan's scaling, optimizer step. Failover (a later stage) only changes the plan
+and the DP group; the step itself never branches on failures.
 """
 
 from __future__ import annotations
@@ -45,8 +45,18 @@ class StepResult:
 class Engine:
     """Holds the built components; see `build_engine`."""
 
-    def __init__(self, cfg: RunConfig, ctx: ParallelContext, model, ddp, tcfg, optimizer,
-                 data: DataBundle, controller, reducer: stack.PlanGradReducer):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        ctx: ParallelContext,
+        model,
+        ddp,
+        tcfg,
+        optimizer,
+        data: DataBundle,
+        controller,
+        reducer: stack.PlanGradReducer,
+    ):
         self.cfg = cfg
         self.ctx = ctx
         self.model = model
@@ -58,16 +68,24 @@ class Engine:
         self.reducer = reducer
         tc = cfg.training
         self.train_sampler = MicroBatchSampler(
-            data.train, micro_batch_size=tc.micro_batch_size,
-            num_microbatches=tc.num_microbatches, num_replicas=ctx.dp_size)
+            data.train,
+            micro_batch_size=tc.micro_batch_size,
+            num_microbatches=tc.num_microbatches,
+            num_replicas=ctx.dp_size,
+        )
         self.valid_sampler = MicroBatchSampler(
-            data.valid, micro_batch_size=tc.micro_batch_size,
-            num_microbatches=tc.eval_microbatches, num_replicas=1)
+            data.valid,
+            micro_batch_size=tc.micro_batch_size,
+            num_microbatches=tc.eval_microbatches,
+            num_replicas=1,
+        )
 
     # ------------------------------------------------------------------ plans
     def default_plan(self) -> RankStepPlan:
         """Failure-free plan: this rank's own micro-batches, exact."""
-        return failure_free_plan(self.ctx.dp_rank, self.ctx.dp_size, self.cfg.training.num_microbatches)
+        return failure_free_plan(
+            self.ctx.dp_rank, self.ctx.dp_size, self.cfg.training.num_microbatches
+        )
 
     # ------------------------------------------------------------------ step
     def train_step(self, step: int, plan: RankStepPlan | None = None) -> StepResult:
@@ -87,28 +105,52 @@ class Engine:
         # megatron divides each micro-batch loss by len(tasks); rescale so it is 1/M (see step_plan)
         loss_scale = len(plan.tasks) / plan.microbatches_per_replica
         sampler = self._sampler_for(plan)
-        fwd = functools.partial(self._forward_step, sampler=sampler, step=step, loss_scale=loss_scale)
+        fwd = functools.partial(
+            self._forward_step, sampler=sampler, step=step, loss_scale=loss_scale
+        )
         outputs = stack.forward_backward(
-            self.ddp, fwd, iter(plan.tasks), num_microbatches=len(plan.tasks),
-            seq_length=self.cfg.model.seq_length, micro_batch_size=tc.micro_batch_size)
+            self.ddp,
+            fwd,
+            iter(plan.tasks),
+            num_microbatches=len(plan.tasks),
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=tc.micro_batch_size,
+        )
         updated, grad_norm, _ = self.optimizer.step()
         if self.controller is not None:
             self.controller.set_degraded(False)
         loss = self._global_mean_loss(outputs)
         tokens = len(plan.tasks) * tc.micro_batch_size * self.cfg.model.seq_length
-        global_tokens = plan.num_replicas * plan.microbatches_per_replica * tc.micro_batch_size \
+        global_tokens = (
+            plan.num_replicas
+            * plan.microbatches_per_replica
+            * tc.micro_batch_size
             * self.cfg.model.seq_length
-        return StepResult(step=step, loss=loss, grad_norm=float(grad_norm or 0.0), lr=lr,
-                          num_tokens=tokens, global_tokens=global_tokens,
-                          step_time_s=time.perf_counter() - start, updated=bool(updated))
+        )
+        return StepResult(
+            step=step,
+            loss=loss,
+            grad_norm=float(grad_norm or 0.0),
+            lr=lr,
+            num_tokens=tokens,
+            global_tokens=global_tokens,
+            step_time_s=time.perf_counter() - start,
+            updated=bool(updated),
+        )
 
     def _sampler_for(self, plan: RankStepPlan) -> MicroBatchSampler:
         s = self.train_sampler
-        if plan.num_replicas == s.num_replicas and plan.microbatches_per_replica == s.num_microbatches:
+        if (
+            plan.num_replicas == s.num_replicas
+            and plan.microbatches_per_replica == s.num_microbatches
+        ):
             return s
-        return MicroBatchSampler(self.data.train, micro_batch_size=self.cfg.training.micro_batch_size,
-                                 num_microbatches=plan.microbatches_per_replica,
-                                 num_replicas=plan.num_replicas)
+        return MicroBatchSampler(
+            self.data.train,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            num_microbatches=plan.microbatches_per_replica,
+            num_replicas=plan.num_replicas,
+        )
 
     def _forward_step(self, data_iterator, model, *, sampler, step: int, loss_scale: float):
         """megatron forward_step_func: one micro-batch in the mode its task asks for."""
@@ -125,8 +167,9 @@ class Engine:
         return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale)
 
     def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> float:
-        total = torch.tensor([sum(float(o["loss"]) for o in outputs), float(len(outputs))],
-                             dtype=torch.float64)
+        total = torch.tensor(
+            [sum(float(o["loss"]) for o in outputs), float(len(outputs))], dtype=torch.float64
+        )
         if self.ctx.dp_size > 1:
             dist.all_reduce(total, group=self.reducer.group)
         return float(total[0] / total[1])
@@ -139,14 +182,21 @@ class Engine:
         mine = [MicroBatchTask(0, i) for i in range(self.ctx.dp_rank, num, self.ctx.dp_size)]
         outputs = []
         if mine:
-            fwd = functools.partial(self._forward_step, sampler=self.valid_sampler, step=0,
-                                    loss_scale=1.0)
+            fwd = functools.partial(
+                self._forward_step, sampler=self.valid_sampler, step=0, loss_scale=1.0
+            )
             outputs = stack.forward_backward(
-                self.ddp, fwd, iter(mine), num_microbatches=len(mine),
+                self.ddp,
+                fwd,
+                iter(mine),
+                num_microbatches=len(mine),
                 seq_length=self.cfg.model.seq_length,
-                micro_batch_size=self.cfg.training.micro_batch_size, forward_only=True)
-        total = torch.tensor([sum(float(o["loss"]) for o in outputs), float(len(outputs))],
-                             dtype=torch.float64)
+                micro_batch_size=self.cfg.training.micro_batch_size,
+                forward_only=True,
+            )
+        total = torch.tensor(
+            [sum(float(o["loss"]) for o in outputs), float(len(outputs))], dtype=torch.float64
+        )
         if self.ctx.dp_size > 1:
             dist.all_reduce(total, group=self.reducer.group)
         return float(total[0] / total[1])
@@ -172,16 +222,19 @@ def resolve_bf16(cfg: RunConfig, ctx: ParallelContext) -> bool:
     return precision == "bf16"
 
 
-def build_engine(cfg: RunConfig, ctx: ParallelContext | None = None, *,
-                 log: Any = None) -> Engine:
+def build_engine(cfg: RunConfig, ctx: ParallelContext | None = None, *, log: Any = None) -> Engine:
     """Initialise distributed state (if not given) and build every component of a run."""
     ctx = ctx or init_parallel(cfg.parallel)
     tc = cfg.training
     data = prepare_data(
-        cfg.data, seq_length=cfg.model.seq_length,
+        cfg.data,
+        seq_length=cfg.model.seq_length,
         num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * ctx.dp_size,
         num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
-        seed=tc.seed, rank=ctx.rank, barrier=ctx.barrier)
+        seed=tc.seed,
+        rank=ctx.rank,
+        barrier=ctx.barrier,
+    )
     check_vocab(data.tokenizer.vocab_size, cfg.model.vocab_size)
     seed_everything(tc.seed)
     bf16 = resolve_bf16(cfg, ctx)
@@ -196,9 +249,13 @@ def build_engine(cfg: RunConfig, ctx: ParallelContext | None = None, *,
     ddp = stack.wrap_ddp(model, tcfg)
     optimizer = stack.build_optimizer(ddp, tc, bf16=bf16)
     reducer = stack.PlanGradReducer(
-        ddp, ctx.dp_group, controller.is_masked_param if controller is not None else None)
+        ddp, ctx.dp_group, controller.is_masked_param if controller is not None else None
+    )
     stack.install_grad_reducer(ddp, tcfg, reducer)
     if log is not None:
-        log(f"model {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M params, spec={spec_name}, "
-            f"{'bf16' if bf16 else 'fp32'}, DP={ctx.dp_size} TP={ctx.tp_size}, backend={ctx.backend}")
+        log(
+            f"model {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M params, "
+            f"spec={spec_name}, {'bf16' if bf16 else 'fp32'}, "
+            f"DP={ctx.dp_size} TP={ctx.tp_size}, backend={ctx.backend}"
+        )
     return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer)

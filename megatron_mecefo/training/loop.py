@@ -12,8 +12,9 @@ from megatron_mecefo.training.engine import Engine
 from megatron_mecefo.training.hooks import TrainHook
 
 
-def train(engine: Engine, logger: MetricsLogger, hooks: Sequence[TrainHook] = (),
-          *, start_step: int = 0) -> dict[str, Any]:
+def train(
+    engine: Engine, logger: MetricsLogger, hooks: Sequence[TrainHook] = (), *, start_step: int = 0
+) -> dict[str, Any]:
     """Run steps `start_step .. max_steps-1`; returns a summary (losses, val losses, throughput)."""
     tc = engine.cfg.training
     peak = peak_flops(_device_name(engine))
@@ -24,8 +25,12 @@ def train(engine: Engine, logger: MetricsLogger, hooks: Sequence[TrainHook] = ()
         result = engine.train_step(step, plan)
         tokens_per_s = result.global_tokens / max(result.step_time_s, 1e-9)
         record: dict[str, Any] = {
-            "step": step, "loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm,
-            "tokens_per_s": tokens_per_s, "step_time_s": result.step_time_s,
+            "step": step,
+            "loss": result.loss,
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "step_time_s": result.step_time_s,
             "degraded_microbatches": plan.num_degraded if plan is not None else 0,
         }
         util = mfu(tokens_per_s, flops_per_token, engine.ctx.world_size, peak)
@@ -44,9 +49,11 @@ def train(engine: Engine, logger: MetricsLogger, hooks: Sequence[TrainHook] = ()
         if not math.isfinite(result.loss):
             logger.print(f"warning: non-finite loss at step {step}")
     summary = {
-        "steps": len(losses), "first_loss": losses[0] if losses else None,
+        "steps": len(losses),
+        "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
-        "val_losses": val_losses, "final_val_loss": val_losses[-1][1] if val_losses else None,
+        "val_losses": val_losses,
+        "final_val_loss": val_losses[-1][1] if val_losses else None,
         "mean_tokens_per_s": sum(tok_rates) / len(tok_rates) if tok_rates else None,
         "entropy_floor_nats_per_token": engine.data.entropy_floor_nats_per_token,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -22,21 +23,34 @@ def free_port() -> int:
 
 def _worker(fn, rank, world_size, port, env, args, queue):
     os.environ.update(env)
-    os.environ.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-    })
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     try:
         import torch
 
         torch.set_num_threads(1)
-        queue.put((rank, True, fn(rank, *args)))
+        # plain pickle: torch's multiprocessing reducer would pass tensors through shared-memory
+        # handles that die with this process before the parent reads them
+        queue.put((rank, True, pickle.dumps(fn(rank, *args))))
     except BaseException:  # report everything, including SystemExit, to the parent
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 180,
-                    env: dict[str, str] | None = None) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
     """Call `fn(rank, *args)` in `world_size` spawned processes; return results ordered by rank.
 
     Raises AssertionError with the failing rank's traceback, or on timeout (children are killed).
@@ -45,8 +59,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     queue = ctx.Queue()
     port = free_port()
     base_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, base_env, args, queue),
-                         daemon=True) for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_worker, args=(fn, r, world_size, port, base_env, args, queue), daemon=True
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
@@ -60,7 +78,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             except queue_mod.Empty:
                 raise AssertionError(f"distributed job timed out after {timeout_s} s") from None
             if ok:
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

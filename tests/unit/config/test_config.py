@@ -31,8 +31,11 @@ def test_every_run_config_loads(path):
 
 
 def test_paper_shapes():
-    for name, shape in {"llama-350m": (1024, 2736, 24, 16), "llama-1b": (2048, 5461, 24, 32),
-                        "llama-7b": (4096, 11008, 32, 32)}.items():
+    for name, shape in {
+        "llama-350m": (1024, 2736, 24, 16),
+        "llama-1b": (2048, 5461, 24, 32),
+        "llama-7b": (4096, 11008, 32, 32),
+    }.items():
         m = load_config(ModelConfig, CONFIGS / "model" / f"{name}.yaml")
         assert (m.hidden_size, m.ffn_hidden_size, m.num_layers, m.num_attention_heads) == shape
         assert m.vocab_size == 32000
@@ -48,7 +51,9 @@ def test_unknown_key_names_key_and_allowed(tmp_path):
 
 
 def test_bad_literal_lists_allowed_values():
-    with pytest.raises(ConfigError, match=r"mecefo.takeover_policy: 'ring' is not allowed .*'neighbor'"):
+    with pytest.raises(
+        ConfigError, match=r"mecefo.takeover_policy: 'ring' is not allowed .*'neighbor'"
+    ):
         load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["mecefo.takeover_policy=ring"])
 
 
@@ -58,13 +63,19 @@ def test_bad_type_and_cross_field_check():
     with pytest.raises(ConfigError, match="divisible by num_attention_heads"):
         load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["model.num_attention_heads=5"])
     with pytest.raises(ConfigError, match="pipeline_model_parallel_size > 1 is not supported"):
-        load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml",
-                    ["parallel.pipeline_model_parallel_size=2"])
+        load_config(
+            RunConfig,
+            CONFIGS / "run" / "demo_cpu.yaml",
+            ["parallel.pipeline_model_parallel_size=2"],
+        )
 
 
 def test_overrides_preset_and_nested_merge():
-    cfg = load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml",
-                      ["model=llama-350m", "training.lr=1e-3", "model.num_layers=3"])
+    cfg = load_config(
+        RunConfig,
+        CONFIGS / "run" / "demo_cpu.yaml",
+        ["model=llama-350m", "training.lr=1e-3", "model.num_layers=3"],
+    )
     assert cfg.model.name == "llama-350m" and cfg.model.num_layers == 3
     assert cfg.model.hidden_size == 1024 and cfg.training.lr == 1e-3
     cfg2 = load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["model.num_layers=3"])

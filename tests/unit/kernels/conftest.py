@@ -1,6 +1,6 @@
 """Run the kernel tests on the real GPU when there is one, else in Triton's CPU interpreter.
 
-`triton.jit` decides between a compiled kernel and the interpreter when the decorator runs, i.e. when
+`triton.jit` picks compiled kernel or interpreter when the decorator runs, i.e. when
 `megatron_mecefo.kernels.triton_lowrank` is imported. So, without CUDA, this conftest imports (or
 re-imports) that module with TRITON_INTERPRET=1 and restores the variable afterwards; an autouse
 fixture sets it again only for the tests of this directory, so it does not leak into other tests.

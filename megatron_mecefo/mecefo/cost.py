@@ -1,0 +1,145 @@
+"""Cost model of one micro-batch, exact and degraded, for the takeover planner (pure Python, no torch).
+
+The planner only needs relative times: how long an exact and a degraded micro-batch take and a fixed
+per-step overhead (optimizer, all-reduce). Defaults come from FLOP counts; measured times (the
+benchmark, or a calibration pass) replace them via `CostModel.from_measured`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class FlopBreakdown:
+    """Training FLOPs of one micro-batch, exact and in MeCeFO degraded mode."""
+
+    exact: float
+    """Forward + backward of every layer and the output head."""
+    degraded: float
+    """Forward of every layer, FFN recompute, exact FFN input grads, low-rank FFN weight grads,
+    no attention backward; the output head stays exact."""
+
+    @property
+    def ratio(self) -> float:
+        """degraded / exact."""
+        return self.degraded / self.exact
+
+
+def microbatch_flops(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    ffn_hidden_size: int,
+    seq_length: int,
+    vocab_size: int,
+    micro_batch_size: int = 1,
+    num_kv_channels: int | None = None,
+    rank_fraction: float = 0.125,
+    skip_attention_backward: bool = True,
+    recompute_ffn: bool = True,
+    lowrank_ffn_grad: bool = True,
+) -> FlopBreakdown:
+    """FLOPs of one micro-batch (matmuls only, 2 FLOPs per multiply-add; causal masking ignored).
+
+    Args:
+        num_layers: Transformer layers.
+        hidden_size: d.
+        ffn_hidden_size: SwiGLU inner width f (linear_fc1 is 2f x d, linear_fc2 is d x f).
+        seq_length: s.
+        vocab_size: Output-head rows.
+        micro_batch_size: Sequences per micro-batch.
+        num_kv_channels: Width of K and V together divided by 2 (GQA); None means d (MHA).
+        rank_fraction: Low-rank r as a fraction of each FFN linear's input dimension.
+        skip_attention_backward: Technique 1 on.
+        recompute_ffn: Technique 2 on.
+        lowrank_ffn_grad: Technique 3 on.
+
+    Returns:
+        The exact and degraded FLOPs.
+    """
+    d, f, s = hidden_size, ffn_hidden_size, seq_length
+    kv = d if num_kv_channels is None else num_kv_channels
+    b = micro_batch_size * s  # tokens in the micro-batch
+    attn_fwd = 2.0 * b * (d * (d + 2 * kv) + d * d) + 4.0 * b * s * d  # qkv + proj + scores + AV
+    fc1_fwd, fc2_fwd = 2.0 * b * 2 * f * d, 2.0 * b * d * f
+    ffn_fwd = fc1_fwd + fc2_fwd
+    head = 3.0 * 2.0 * b * d * vocab_size
+    exact_layer = 3.0 * (attn_fwd + ffn_fwd)
+
+    def weight_grad(m: int, n: int) -> float:
+        if not lowrank_ffn_grad:
+            return 2.0 * b * m * n
+        r = max(1, round(rank_fraction * n))
+        return 2.0 * b * r * (n + m) + 2.0 * r * m * n  # x V in forward, G_y^T (xV), (.) V^T
+
+    degraded_layer = attn_fwd + ffn_fwd  # full forward (attention without graph)
+    degraded_layer += 0.0 if skip_attention_backward else 2.0 * attn_fwd
+    degraded_layer += fc1_fwd if recompute_ffn else 0.0  # fc2 output is not needed in backward
+    degraded_layer += ffn_fwd  # exact input grads G_x = W^T G_y of both FFN linears
+    degraded_layer += weight_grad(2 * f, d) + weight_grad(d, f)
+    return FlopBreakdown(
+        exact=num_layers * exact_layer + head, degraded=num_layers * degraded_layer + head
+    )
+
+
+# llama-350m (configs/model/llama-350m.yaml), micro-batch 4 x 1024 tokens, r = d/8: about 0.73.
+DEFAULT_DEGRADED_FRACTION = microbatch_flops(
+    num_layers=24,
+    hidden_size=1024,
+    ffn_hidden_size=2736,
+    seq_length=1024,
+    vocab_size=32000,
+    micro_batch_size=4,
+).ratio
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Step time of a rank = overhead + exact micro-batches x exact time + degraded x degraded time."""
+
+    exact_microbatch_s: float = 1.0
+    """Time of one exact micro-batch (forward + backward); any unit, only ratios matter."""
+    degraded_microbatch_s: float = DEFAULT_DEGRADED_FRACTION
+    """Time of one degraded micro-batch (default: the FLOP ratio at llama-350m shapes)."""
+    step_overhead_s: float = 0.0
+    """Fixed per-step time (optimizer step, gradient all-reduce), paid once whatever the load."""
+
+    def __post_init__(self) -> None:
+        if self.exact_microbatch_s <= 0 or self.degraded_microbatch_s <= 0:
+            raise ValueError("micro-batch times must be > 0")
+        if self.step_overhead_s < 0:
+            raise ValueError("step_overhead_s must be >= 0")
+
+    def step_time(self, num_exact: int, num_degraded: int = 0) -> float:
+        """Predicted step time of a rank running these micro-batches."""
+        return (
+            self.step_overhead_s
+            + num_exact * self.exact_microbatch_s
+            + num_degraded * self.degraded_microbatch_s
+        )
+
+    @classmethod
+    def from_measured(
+        cls, *, exact_microbatch_s: float, degraded_microbatch_s: float, step_overhead_s: float = 0.0
+    ) -> CostModel:
+        """A cost model from measured times (seconds)."""
+        return cls(
+            exact_microbatch_s=exact_microbatch_s,
+            degraded_microbatch_s=degraded_microbatch_s,
+            step_overhead_s=step_overhead_s,
+        )
+
+    @classmethod
+    def from_flops(cls, flops: FlopBreakdown, *, step_overhead_fraction: float = 0.0) -> CostModel:
+        """A cost model in units of one exact micro-batch, from a `microbatch_flops` result.
+
+        Args:
+            flops: Exact and degraded FLOPs of one micro-batch.
+            step_overhead_fraction: Per-step overhead as a multiple of one exact micro-batch.
+        """
+        return cls(
+            exact_microbatch_s=1.0,
+            degraded_microbatch_s=flops.ratio,
+            step_overhead_s=step_overhead_fraction,
+        )

@@ -1,0 +1,257 @@
+"""Degraded-mode hooks on megatron TransformerLayers and the controller the trainer drives.
+
+`install_degraded_mode` replaces each layer's `forward` with a thin dispatcher: exact mode calls the
+original bound method unchanged (bit-identical, one attribute read), degraded mode runs the attention
+branch without a graph (technique 1) and the FFN through `ffn.degraded_ffn` (techniques 2-3). The
+mode is the explicit module attribute `layer.mecefo_hooks.degraded`, set only by the controller;
+each micro-batch's graph records the mode it was built with, so its backward follows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from megatron_mecefo.errors import ConfigError
+from megatron_mecefo.mecefo.config import MecefoConfig
+from megatron_mecefo.mecefo.ffn import FfnCall, FfnWeights, degraded_ffn, resolve_ffn_weights
+from megatron_mecefo.mecefo.lowrank import SingularVectorCache
+from megatron_mecefo.mecefo.masking import is_attention_branch_param
+
+_HOOKS_ATTR = "mecefo_hooks"
+
+
+class _ResidualOnly(torch.autograd.Function):
+    """Returns the attention-branch result computed under no_grad; its gradient goes to the residual.
+
+    Forward value is exactly the exact-mode `h + Attn(LN1(h))` (same ops, same order); backward is the
+    identity to `h`, i.e. the attention branch is a constant (MeCeFO's skip-connection).
+    """
+
+    @staticmethod
+    def forward(ctx, residual: Tensor, branch_result: Tensor) -> Tensor:  # noqa: D102
+        return branch_result
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # noqa: D102
+        return grad, None
+
+
+@dataclasses.dataclass
+class LayerHooks:
+    """Degraded-mode state of one TransformerLayer (attached as `layer.mecefo_hooks`)."""
+
+    layer_index: int
+    """Position among the model's transformer layers (seeds the randomized SVD)."""
+    original_forward: Callable
+    """The layer's bound `forward` before installation."""
+    skip_attention: bool
+    functional_ffn: bool
+    """Recompute or low-rank on: run the FFN through `degraded_ffn`, else megatron's own MLP."""
+    recompute: bool
+    ffn_weights: FfnWeights | None
+    v1_cache: SingularVectorCache | None
+    v2_cache: SingularVectorCache | None
+    degraded: bool = False
+    """Set by the controller before each micro-batch forward."""
+    bucket: int = 0
+    """Current tau-bucket (step // tau), set by the controller at each step start."""
+
+    @property
+    def is_noop(self) -> bool:
+        return not (self.skip_attention or self.functional_ffn)
+
+
+def _split_hidden_states(args: tuple, kwargs: dict) -> tuple[Tensor, tuple, dict]:
+    if args:
+        return args[0], args[1:], kwargs
+    kwargs = dict(kwargs)
+    return kwargs.pop("hidden_states"), args, kwargs
+
+
+def degraded_layer_forward(layer: torch.nn.Module, hooks: LayerHooks, *args, **kwargs):
+    """TransformerLayer.forward in degraded mode; returns `(output, context)` like megatron."""
+    kwargs.pop("dynamic_inference_decode_only", None)
+    hidden_states, rest, kwargs = _split_hidden_states(args, kwargs)
+    if hooks.skip_attention:
+        # Attention branch (input norm, attention, bias-dropout-add) runs without a graph: no
+        # attention activations kept, no attention/input-norm gradients; grad flows via residual.
+        with torch.no_grad():
+            attn_result, context = layer._forward_attention(hidden_states, *rest, **kwargs)
+        hidden = _ResidualOnly.apply(hidden_states, attn_result)
+    else:
+        hidden, context = layer._forward_attention(hidden_states, *rest, **kwargs)
+    if not hooks.functional_ffn:
+        output = layer._forward_mlp(
+            hidden, kwargs.get("inference_context"), padding_mask=kwargs.get("padding_mask")
+        )
+        return output, context
+    fc1, fc2 = hooks.ffn_weights.fc1, hooks.ffn_weights.fc2
+    call = FfnCall(
+        weights=hooks.ffn_weights,
+        v1=hooks.v1_cache.get(fc1, hooks.bucket) if hooks.v1_cache else None,
+        v2=hooks.v2_cache.get(fc2, hooks.bucket) if hooks.v2_cache else None,
+        recompute=hooks.recompute,
+    )
+    mlp_out = degraded_ffn(hidden, call)  # [s, b, d], the MLP branch only
+    with layer.bias_dropout_add_exec_handler():  # residual + dropout(mlp_out), as megatron does
+        output = layer.mlp_bda(layer.training, layer.config.bias_dropout_fusion)(
+            (mlp_out, None), hidden, layer.hidden_dropout
+        )
+    return output, context
+
+
+def _make_dispatcher(layer: torch.nn.Module, hooks: LayerHooks) -> Callable:
+    original = hooks.original_forward
+
+    def forward(*args, **kwargs):
+        if not hooks.degraded or hooks.is_noop:  # all techniques off: degraded == exact
+            return original(*args, **kwargs)
+        return degraded_layer_forward(layer, hooks, *args, **kwargs)
+
+    return forward
+
+
+def find_transformer_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """Megatron TransformerLayers in `model` (any wrapper), by duck typing, in module order."""
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if hasattr(m, "_forward_attention") and hasattr(m, "_forward_mlp") and hasattr(m, "mlp")
+    ]
+
+
+class DegradedModeController:
+    """Switches every hooked layer between exact and degraded mode; owns the V caches.
+
+    The trainer calls `on_step_start(step)` once per step and `set_degraded(flag)` before each
+    micro-batch forward (the flag is captured by that micro-batch's graph).
+    """
+
+    def __init__(self, cfg: MecefoConfig, layers: list[tuple[str, torch.nn.Module]]):
+        self._cfg = cfg
+        self._layers = layers
+        self._degraded = False
+        self._step = 0
+
+    @property
+    def enabled(self) -> bool:
+        """False when `cfg.enabled` is off (nothing installed)."""
+        return self._cfg.enabled
+
+    @property
+    def degraded(self) -> bool:
+        """Mode the next micro-batch forward will run in."""
+        return self._degraded
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [name for name, _ in self._layers]
+
+    def set_degraded(self, flag: bool) -> None:
+        """Exact (False) or degraded (True) for the micro-batches forwarded from now on.
+
+        Raises:
+            ConfigError: `flag` is True but MeCeFO is disabled (`mecefo.enabled=false`).
+        """
+        if flag and not self._cfg.enabled:
+            raise ConfigError(
+                "a step plan asked for degraded (MeCeFO) micro-batches, but mecefo.enabled=false; "
+                "set mecefo.enabled=true or use a takeover policy without degraded mode (spread)"
+            )
+        self._degraded = bool(flag)
+        for _, layer in self._layers:
+            getattr(layer, _HOOKS_ATTR).degraded = self._degraded
+
+    def on_step_start(self, step: int) -> None:
+        """Record the step; V of every layer is refreshed lazily when step // tau changes."""
+        self._step = int(step)
+        bucket = self._step // self._cfg.tau
+        for _, layer in self._layers:
+            getattr(layer, _HOOKS_ATTR).bucket = bucket
+
+    def is_masked_param(self, name: str) -> bool:
+        """Whether the trainer averages this parameter's grad over exact replicas only.
+
+        True for attention-branch parameters (input norm, self-attention) when the attention-
+        backward skip is on; names may carry wrapper prefixes such as `module.`.
+        """
+        if not (self._cfg.enabled and self._cfg.skip_attention_backward):
+            return False
+        return is_attention_branch_param(name)
+
+    def singular_vectors(self, layer_index: int) -> tuple[Tensor | None, Tensor | None]:
+        """Cached (V1, V2) of a layer (None before its first degraded forward or when off)."""
+        hooks = getattr(self._layers[layer_index][1], _HOOKS_ATTR)
+        v1 = hooks.v1_cache.vectors if hooks.v1_cache else None
+        v2 = hooks.v2_cache.vectors if hooks.v2_cache else None
+        return v1, v2
+
+    def clear_caches(self) -> None:
+        """Drop every cached V (call after loading weights from a checkpoint or a peer)."""
+        for _, layer in self._layers:
+            hooks = getattr(layer, _HOOKS_ATTR)
+            for cache in (hooks.v1_cache, hooks.v2_cache):
+                if cache is not None:
+                    cache.clear()
+
+    def uninstall(self) -> None:
+        """Restore every layer's original forward."""
+        self.set_degraded(False)
+        for _, layer in self._layers:
+            del layer.forward  # the instance attribute; the class method shows through again
+            delattr(layer, _HOOKS_ATTR)
+        self._layers = []
+
+
+def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> DegradedModeController:
+    """Hook every TransformerLayer of `model` for degraded mode and return the controller.
+
+    Args:
+        model: A megatron GPTModel, possibly wrapped (DDP, Float16Module).
+        cfg: MeCeFO switches. With `cfg.enabled` False nothing is installed and the controller's
+            `set_degraded(True)` raises.
+
+    Returns:
+        The controller (exact mode).
+
+    Raises:
+        ValueError: no TransformerLayer found or hooks already installed.
+        NotImplementedError: a layer the degraded FFN cannot handle (MoE, biases, sequence parallel).
+    """
+    if not cfg.enabled:
+        return DegradedModeController(cfg, [])
+    layers = find_transformer_layers(model)
+    if not layers:
+        raise ValueError("install_degraded_mode: no megatron TransformerLayer found in the model")
+    functional_ffn = cfg.recompute_ffn or cfg.lowrank_ffn_grad
+    for index, (name, layer) in enumerate(layers):
+        if hasattr(layer, _HOOKS_ATTR):
+            raise ValueError(f"degraded-mode hooks are already installed on {name}")
+        weights = resolve_ffn_weights(layer) if functional_ffn else None
+        v1_cache = v2_cache = None
+        if weights is not None and cfg.lowrank_ffn_grad:
+            v1_cache = SingularVectorCache(
+                rank=cfg.resolve_rank(weights.fc1.shape[1]), method=cfg.svd_method, seed=2 * index
+            )
+            v2_cache = SingularVectorCache(
+                rank=cfg.resolve_rank(weights.fc2.shape[1]),
+                method=cfg.svd_method,
+                seed=2 * index + 1,
+            )
+        hooks = LayerHooks(
+            layer_index=index,
+            original_forward=layer.forward,
+            skip_attention=cfg.skip_attention_backward,
+            functional_ffn=functional_ffn,
+            recompute=cfg.recompute_ffn,
+            ffn_weights=weights,
+            v1_cache=v1_cache,
+            v2_cache=v2_cache,
+        )
+        setattr(layer, _HOOKS_ATTR, hooks)
+        layer.forward = _make_dispatcher(layer, hooks)
+    return DegradedModeController(cfg, layers)

@@ -1,0 +1,127 @@
+"""End-to-end: the real CLI under torchrun, and one clear error line per kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env.update(extra)
+    return env
+
+
+def _train(args, timeout=240, **env):
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.train",
+        "--config",
+        "configs/run/demo_cpu.yaml",
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def demo_dir(demo_data_dir):
+    return demo_data_dir
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_two_ranks_writes_run_dir(tmp_path, demo_dir):
+    run_dir = tmp_path / "run"
+    cmd = [
+        "bash",
+        "launch/local/run.sh",
+        "--config",
+        "configs/run/demo_cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "12",
+        f"data.demo_dir={demo_dir}",
+        "training.eval_interval=6",
+        "training.warmup_steps=2",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=_env(NPROC="2"), capture_output=True, text=True, timeout=280
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "done: 12 steps" in proc.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+        assert all(isinstance(r[key], float) for r in rows), key
+    assert [r["step"] for r in rows if "val_loss" in r] == [5, 11]
+    env = json.loads((run_dir / "env.json").read_text())
+    assert env["world_size"] == 2 and env["dp_size"] == 2 and env["versions"]["megatron-core"]
+    assert "model:" in (run_dir / "config.yaml").read_text()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["final_val_loss"] is not None
+
+
+def _assert_clean_error(proc, code, needle, run_dir):
+    err_lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert len(err_lines) == 1 and needle in err_lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (Path(run_dir) / "summary.json").exists()
+    assert not Path(run_dir).exists(), "a failed set-up left a run dir behind"
+
+
+@pytest.mark.timeout(120)
+def test_unknown_key(tmp_path):
+    proc = _train([f"--run-dir={tmp_path / 'r'}", "training.bogus=1"])
+    _assert_clean_error(proc, 2, "unknown config key 'training.bogus'", tmp_path / "r")
+
+
+@pytest.mark.timeout(120)
+def test_missing_data_path(tmp_path, demo_dir):
+    proc = _train(
+        [
+            f"--run-dir={tmp_path / 'r'}",
+            f"data.path={tmp_path / 'nope' / 'corpus'}",
+            f"data.tokenizer_model={demo_dir}/tokenizer.model",
+        ]
+    )
+    _assert_clean_error(proc, 3, "nope", tmp_path / "r")
+
+
+@pytest.mark.timeout(120)
+def test_world_not_divisible_by_tp(tmp_path):
+    proc = _train([f"--run-dir={tmp_path / 'r'}", "parallel.tensor_model_parallel_size=2"])
+    _assert_clean_error(proc, 4, "not divisible by TP x PP", tmp_path / "r")
+
+
+@pytest.mark.timeout(120)
+def test_vocab_mismatch(tmp_path, demo_dir):
+    proc = _train(
+        [f"--run-dir={tmp_path / 'r'}", f"data.demo_dir={demo_dir}", "model.vocab_size=64"]
+    )
+    _assert_clean_error(proc, 3, "vocab", tmp_path / "r")
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_idx(tmp_path, demo_dir):
+    prefix = tmp_path / "corpus"
+    (tmp_path / "corpus.bin").write_bytes(b"\0" * 64)
+    (tmp_path / "corpus.idx").write_bytes(b"not an index file")
+    proc = _train(
+        [
+            f"--run-dir={tmp_path / 'r'}",
+            f"data.path={prefix}",
+            f"data.tokenizer_model={demo_dir}/tokenizer.model",
+        ]
+    )
+    _assert_clean_error(proc, 3, "corpus.idx", tmp_path / "r")

@@ -2,8 +2,9 @@
 
 Megatron hard-codes `device="cuda"` in hundreds of places (schedules, DDP buffers, optimizer, clip
 grads, dist_checkpointing). `apply()` installs a TorchFunctionMode that rewrites CUDA device
-arguments to CPU, swaps the CUDA RNG tracker for a CPU one and stubs the few `torch.cuda` calls that have no
-tensor. It is applied only when CUDA is absent (`apply_if_needed`), and never on a GPU machine.
+arguments to CPU, swaps the CUDA RNG tracker for a CPU one and stubs the few `torch.cuda` calls that
+have no tensor. It is applied only when CUDA is absent (`apply_if_needed`), and never on a GPU
+machine.
 
 Caveats (see shared/notes/megatron-core-on-cpu.md): the mode is thread-local, so threads the project
 starts must enter `CudaToCpuMode()` themselves; `Tensor.type()` reports `torch.cuda.*` under it.

@@ -1,7 +1,7 @@
 """Build a LLaMA-style megatron-core `GPTModel` from a `ModelConfig`.
 
-Transformer Engine spec when TE and CUDA are present (or `spec: te`), the local spec
-otherwise. RMSNorm, SwiGLU, RoPE, no biases, untied embeddings. Weights are initialised on the CPU RNG with the
+Transformer Engine spec when TE and CUDA are present (or `spec: te`), the local spec otherwise.
+RMSNorm, SwiGLU, RoPE, no biases, untied embeddings. Weights are initialised on the CPU RNG with the
 same seed on every rank (`use_cpu_initialization`), so DP replicas start identical.
 """
 

@@ -19,7 +19,7 @@ from tests.helpers.dist import run_distributed
 N, M, DEAD = 3, 2, 2
 STEPS_EXACT = 6  # equivalence run: neighbor for steps 0-2, spread for 3-5
 STEPS_WINDOW, WINDOW = 40, range(8, 32)  # degraded window run: steps 8..31 covered by neighbour
-VAL_MARGIN = 0.05  # measured |val(window) - val(failure-free)| = 0.0120 (see docs/mecefo.md)
+VAL_MARGIN = 0.03  # measured |val(window) - val(failure-free)| = 0.0080 (4.1146 vs 4.1226)
 APPROX_OFF = ["mecefo.skip_attention_backward=false", "mecefo.recompute_ffn=false",
               "mecefo.lowrank_ffn_grad=false"]
 

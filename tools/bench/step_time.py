@@ -37,6 +37,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--demo-dir", default=".cache/demo_data")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared 2-core machine more threads oversubscribe "
+        "and run ~10x slower)",
+    )
     p.add_argument("--out", default="bench_out/step_time.json")
     return p.parse_args()
 
@@ -103,7 +110,7 @@ def main() -> int:
     from megatron_mecefo.mcore.config import ParallelConfig
     from megatron_mecefo.mcore.parallel import destroy_parallel, init_parallel
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     ctx = init_parallel(ParallelConfig())
     models = args.models or (["tiny", "small"] if ctx.on_cpu else ["llama-350m"])
     rows = []

@@ -1,0 +1,324 @@
+"""Per-rank step time and peak activation memory of MeCeFO takeover modes, one process at a time.
+
+    python tools/bench/degraded.py                                   # CPU: tiny and small
+    python tools/bench/degraded.py --models small --microbatches 8 --reps 5
+    python tools/bench/degraded.py --svd-shapes llama-350m llama-1b  # exact vs randomized SVD cost
+    python tools/bench/degraded.py --models llama-350m --num-layers 8 --mbs 4   # GPU (unverified)
+
+For each model: a normal rank (M exact micro-batches), naive Neighbor-Do-Both (2M exact), MeCeFO
+neighbour (2M degraded), and the slowest rank of `spread` and `hybrid` for n = 4, 8, 32 (one dead
+replica; hybrid planned with a cost model measured here). Each scenario runs its real task list
+(forward + backward of every micro-batch + AdamW step) on the real megatron GPTModel; DP
+communication is not included (per-rank compute, as DESIGN.md section 4 prescribes on CPU). Peak
+activation memory: CPU = bytes autograd saves for one micro-batch (saved-tensor hooks), GPU =
+torch.cuda.max_memory_allocated above the weights. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="*", default=None, help="presets (default: tiny small on CPU)")
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--mbs", type=int, default=4, help="micro-batch size (sequences)")
+    p.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per replica")
+    p.add_argument("--replicas", type=int, nargs="+", default=[4, 8, 32], help="n for spread/hybrid")
+    p.add_argument("--target-ratio", type=float, default=1.15, help="hybrid's step-time bound")
+    p.add_argument("--reps", type=int, default=5, help="timed repetitions per scenario (min)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--svd-shapes", nargs="*", default=[], help="presets whose FFN SVD cost to time")
+    p.add_argument("--grad-error-steps", type=int, default=0,
+                   help="also report the degraded gradient error after this many exact steps")
+    p.add_argument("--out", default="bench_out/degraded.json")
+    return p.parse_args()
+
+
+def load_model_cfg(name: str, num_layers: int | None):
+    from megatron_mecefo.config.loader import load_config
+    from megatron_mecefo.mcore.config import ModelConfig
+
+    overrides = [f"num_layers={num_layers}"] if num_layers else []
+    return load_config(ModelConfig, ROOT / "configs" / "model" / f"{name}.yaml", overrides)
+
+
+class Rank:
+    """One rank's model, optimizer and degraded-mode controller, with fixed batches."""
+
+    def __init__(self, model_cfg, args, device, hooked: bool = True):
+        import torch
+
+        from megatron_mecefo.mcore.model import build_gpt_model
+        from megatron_mecefo.mcore.parallel import seed_everything
+        from megatron_mecefo.mecefo import MecefoConfig, install_degraded_mode
+
+        seed_everything(1234)
+        self.model = build_gpt_model(model_cfg)[0].to(device)
+        self.controller = install_degraded_mode(self.model, MecefoConfig(enabled=hooked))
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.m = args.microbatches
+        self.device = device
+        gen = torch.Generator().manual_seed(0)
+        s = model_cfg.seq_length
+        tokens = torch.randint(0, model_cfg.vocab_size, (args.mbs, s), generator=gen).to(device)
+        self.batch = (tokens, torch.arange(s, device=device).expand(args.mbs, s), tokens.roll(-1, 1))
+
+    def micro_batch(self, degraded: bool) -> None:
+        tokens, pos, labels = self.batch
+        if self.controller.enabled:
+            self.controller.set_degraded(degraded)
+        loss = self.model(tokens, pos, attention_mask=None, labels=labels).float().mean()
+        (loss / self.m).backward()
+
+    def step(self, degraded_flags: list[bool], step: int = 0) -> float:
+        """One step with these micro-batch modes; returns seconds."""
+        sync()
+        start = time.perf_counter()
+        if self.controller.enabled:
+            self.controller.on_step_start(step)
+        for flag in degraded_flags:
+            self.micro_batch(flag)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - start
+
+    def peak_activation_bytes(self, degraded: bool) -> int:
+        import torch
+
+        from megatron_mecefo.mecefo.memory import saved_bytes_per_layer
+
+        tokens, pos, labels = self.batch
+        if torch.cuda.is_available():
+            sync()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            self.micro_batch(degraded)
+            sync()
+            peak = torch.cuda.max_memory_allocated() - base
+            self.optimizer.zero_grad(set_to_none=True)
+            return int(peak)
+        if self.controller.enabled:
+            self.controller.set_degraded(degraded)
+        with saved_bytes_per_layer(list(self.model.decoder.layers)) as saved:
+            self.model(tokens, pos, attention_mask=None, labels=labels).float().mean()
+        return sum(saved.values())
+
+
+def sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(rank: Rank, flags: list[bool], reps: int) -> float:
+    """Fastest of `reps` steps: on a shared CPU, interference only ever adds time."""
+    rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
+    return min(rank.step(flags, step=1) for _ in range(reps))
+
+
+def bench_model(name: str, args, device) -> dict:
+    from megatron_mecefo.mecefo import CostModel, make_step_plans
+    from megatron_mecefo.mecefo.plan import plan_step_times
+
+    model_cfg = load_model_cfg(name, args.num_layers)
+    m, reps = args.microbatches, args.reps
+    rank = Rank(model_cfg, args, device)
+    # calibration: per-micro-batch costs and the fixed per-step overhead
+    all_exact, all_degraded = timed(rank, [False] * m, reps), timed(rank, [True] * m, reps)
+    half_exact = timed(rank, [False] * (m // 2), reps) if m >= 2 else all_exact
+    overhead = max(0.0, 2 * half_exact - all_exact) if m >= 2 else 0.0
+    cost = CostModel.from_measured(
+        exact_microbatch_s=max(1e-9, (all_exact - overhead) / m),
+        degraded_microbatch_s=max(1e-9, (all_degraded - overhead) / m),
+        step_overhead_s=overhead,
+    )
+    rows = []
+
+    def add(label: str, flags: list[bool], n: int | None = None, predicted: float | None = None):
+        t = timed(rank, flags, reps)
+        mem = max(rank.peak_activation_bytes(f) for f in set(flags))
+        rows.append({"scenario": label, "n": n, "microbatches": len(flags),
+                     "degraded": sum(flags), "step_s": t, "predicted_s": predicted,
+                     "peak_activation_bytes": mem})
+        print(f"  {label:<18} n={n or '-':<3} mb={len(flags):<3} degr={sum(flags):<3} "
+              f"{t * 1e3:9.1f} ms  act {mem / 2**20:8.2f} MiB", flush=True)
+
+    print(f"{name}: {model_cfg.num_layers} layers, d={model_cfg.hidden_size}, "
+          f"f={model_cfg.ffn_hidden_size}, s={model_cfg.seq_length}, mbs={args.mbs}, M={m}")
+    add("normal", [False] * m)
+    add("ndb_naive", [False] * (2 * m))
+    add("mecefo_neighbor", [True] * (2 * m))
+    for n in args.replicas:
+        alive = list(range(1, n))  # replica 0 dead
+        for policy in ("spread", "hybrid"):
+            plans = make_step_plans(alive=alive, num_replicas=n, num_microbatches=m, policy=policy,
+                                    cost=cost, target_ratio=args.target_ratio)
+            times = plan_step_times(plans, cost)
+            slowest = max(times, key=times.get)
+            add(policy, [t.degraded for t in plans[slowest].tasks], n, times[slowest])
+    normal = rows[0]["step_s"]
+    for row in rows:
+        row["ratio"] = row["step_s"] / normal
+        row["memory_ratio"] = row["peak_activation_bytes"] / rows[0]["peak_activation_bytes"]
+    # exact-mode overhead of the hooks: hooked vs un-hooked model, same task list
+    plain = Rank(model_cfg, args, device, hooked=False)
+    t_plain = t_hooked = float("inf")
+    for _ in range(reps):  # interleaved A/B so drifting load hits both alike
+        t_plain = min(t_plain, timed(plain, [False] * m, 1))
+        t_hooked = min(t_hooked, timed(rank, [False] * m, 1))
+    del plain
+    svd_s = refresh_time(rank)
+    return {"model": name, "config": vars(model_cfg), "device": str(device), "mbs": args.mbs,
+            "microbatches": m, "cost_model": vars(cost), "rows": rows,
+            "exact_mode_overhead": t_hooked / t_plain - 1.0, "svd_refresh_s": svd_s}
+
+
+def refresh_time(rank: Rank) -> float:
+    """Seconds to recompute V of every layer (paid once every tau steps)."""
+    rank.controller.clear_caches()
+    rank.controller.on_step_start(0)
+    sync()
+    start = time.perf_counter()
+    rank.micro_batch(True)
+    sync()
+    with_svd = time.perf_counter() - start
+    start = time.perf_counter()
+    rank.micro_batch(True)
+    sync()
+    rank.optimizer.zero_grad(set_to_none=True)
+    return max(0.0, with_svd - (time.perf_counter() - start))
+
+
+def bench_svd(name: str, device) -> list[dict]:
+    """Exact vs randomized top-r right singular vectors of the FFN weights at a preset's shape."""
+    import torch
+
+    from megatron_mecefo.mecefo import MecefoConfig
+    from megatron_mecefo.mecefo.lowrank import top_right_singular_vectors
+
+    cfg = load_model_cfg(name, None)
+    d, f = cfg.hidden_size, cfg.ffn_hidden_size
+    out = []
+    for label, shape in (("fc1", (2 * f, d)), ("fc2", (d, f))):
+        w = torch.randn(*shape, device=device) * 0.02
+        r = MecefoConfig().resolve_rank(shape[1])
+        row = {"model": name, "linear": label, "shape": list(shape), "rank": r}
+        for method in ("exact", "randomized"):
+            top_right_singular_vectors(w[:64, :64].contiguous(), 8, method=method)  # warm-up
+            sync()
+            start = time.perf_counter()
+            v = top_right_singular_vectors(w, r, method=method, seed=1)
+            sync()
+            row[f"{method}_s"] = time.perf_counter() - start
+            row[f"{method}_v"] = v
+        proj = lambda v: v @ v.T  # noqa: E731
+        row["subspace_rel_diff"] = float(
+            (proj(row.pop("randomized_v")) - proj(row.pop("exact_v"))).norm() / r**0.5)
+        print(f"  svd {name} {label} {shape} r={r}: exact {row['exact_s']:.3f} s, "
+              f"randomized {row['randomized_s']:.3f} s", flush=True)
+        out.append(row)
+    return out
+
+
+def grad_error(name: str, args, device, steps: int) -> list[dict]:
+    """Relative error of the degraded gradient vs exact, at init and after `steps` exact steps."""
+    import torch
+
+    from megatron_mecefo.mecefo import MecefoConfig, install_degraded_mode
+
+    model_cfg = load_model_cfg(name, args.num_layers)
+    rank = Rank(model_cfg, args, device, hooked=False)
+    gen = torch.Generator().manual_seed(1)
+    s = model_cfg.seq_length
+    results = []
+
+    def grads():
+        rank.optimizer.zero_grad(set_to_none=True)
+        rank.micro_batch(True)
+        return {n: p.grad.clone() for n, p in rank.model.named_parameters() if p.grad is not None}
+
+    def rel(got, ref, names):
+        diff = torch.cat([(got[n] - ref[n]).flatten() for n in names]).norm()
+        return float(diff / torch.cat([ref[n].flatten() for n in names]).norm())
+
+    for trained in (0, steps):
+        for _ in range(trained):  # exact AdamW steps on fresh random batches
+            tokens = torch.randint(0, model_cfg.vocab_size, (args.mbs, s), generator=gen).to(device)
+            rank.batch = (tokens, rank.batch[1], tokens.roll(-1, 1))
+            rank.step([False])
+        ref = grads()  # the un-hooked controller runs everything exact
+        ffn = [n for n in ref if ".mlp.linear_fc" in n]
+        for frac in (1 / 16, 1 / 8, 1 / 4, 1 / 2):
+            plain = rank.controller
+            rank.controller = install_degraded_mode(rank.model, MecefoConfig(rank=frac))
+            got = grads()
+            rank.controller.uninstall()
+            rank.controller = plain
+            row = {"after_steps": trained, "rank_fraction": frac,
+                   "ffn_weight_grad_rel_error": rel(got, ref, ffn),
+                   "computed_grads_rel_error": rel(got, ref, list(got))}
+            results.append(row)
+            print(f"  grad error {name} after {trained} steps, r=n/{round(1 / frac)}: FFN weights "
+                  f"{row['ffn_weight_grad_rel_error']:.3f}, all computed grads "
+                  f"{row['computed_grads_rel_error']:.3f}", flush=True)
+    return results
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['model']} ({result['device']}), M={result['microbatches']}; cost model "
+          f"exact {result['cost_model']['exact_microbatch_s'] * 1e3:.1f} ms, degraded "
+          f"{result['cost_model']['degraded_microbatch_s'] * 1e3:.1f} ms, overhead "
+          f"{result['cost_model']['step_overhead_s'] * 1e3:.1f} ms")
+    print(f"{'scenario':<18}{'n':>4}{'mb':>5}{'degr':>6}{'step ms':>10}{'ratio':>8}"
+          f"{'pred':>8}{'act MiB':>10}{'act ratio':>10}")
+    normal = result["rows"][0]["step_s"]
+    for r in result["rows"]:
+        pred = f"{r['predicted_s'] / normal:.2f}" if r["predicted_s"] else "-"
+        print(f"{r['scenario']:<18}{r['n'] or '-':>4}{r['microbatches']:>5}{r['degraded']:>6}"
+              f"{r['step_s'] * 1e3:>10.1f}{r['ratio']:>8.2f}{pred:>8}"
+              f"{r['peak_activation_bytes'] / 2**20:>10.2f}{r['memory_ratio']:>10.2f}")
+    print(f"exact-mode hook overhead: {result['exact_mode_overhead'] * 100:+.1f}% ; "
+          f"V refresh of all layers: {result['svd_refresh_s'] * 1e3:.1f} ms every tau steps")
+
+
+def main() -> int:
+    args = parse_args()
+    import torch
+
+    from megatron_mecefo.mcore.config import ParallelConfig
+    from megatron_mecefo.mcore.parallel import init_parallel
+
+    torch.set_num_threads(args.threads)
+    ctx = init_parallel(ParallelConfig())
+    device = ctx.device
+    models = args.models if args.models is not None else (["tiny", "small"] if ctx.on_cpu
+                                                          else ["llama-350m"])
+    report = {"models": [], "svd": [], "grad_error": []}
+    for name in models:
+        result = bench_model(name, args, device)
+        print_table(result)
+        report["models"].append(result)
+        if args.grad_error_steps:
+            report["grad_error"] += grad_error(name, args, device, args.grad_error_steps)
+    for name in args.svd_shapes:
+        report["svd"] += bench_svd(name, device)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

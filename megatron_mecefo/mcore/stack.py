@@ -1,9 +1,9 @@
 """Megatron DDP + optimizer + forward-backward schedule, with the gradient reduction owned by us.
 
 Megatron's DDP binds its DP group and `1/dp` scaling at construction. Instead of rebuilding it on
-every membership change, `PlanGradReducer` is installed as `finalize_model_grads_func`: it pre-scales
- the contiguous grad buffers per parameter (ordinary 1/n, attention/input-norm `masked_scale`)
-and does ONE SUM all-reduce per buffer on whatever DP group the current generation uses.
+every membership change, `PlanGradReducer` is installed as `finalize_model_grads_func`: it scales
+the contiguous grad buffers per parameter (ordinary 1/n, attention/input-norm `masked_scale`)
+before ONE SUM all-reduce per buffer on whatever DP group the current generation uses.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ and the gradient scaling that keeps global-batch semantics when replicas are mis
 Scaling contract (DESIGN.md section 3): every micro-batch loss is scaled by
 `1/microbatches_per_replica` whatever the number of micro-batches the rank runs, so a rank covering
 another counts as two replicas' worth. Before the single all-reduce (SUM) every rank multiplies its
-local gradients by `1/num_replicas` (ordinary parameters) or `masked_scale` (attention and input-norm
- parameters, which degraded micro-batches do not produce): `masked_scale = M / E`, E = exact
-micro-batches in the whole group this step, i.e. the average over the replicas-worth that actually
-computed them.
+local gradients by `1/num_replicas` (ordinary parameters) or `masked_scale` (attention and
+input-norm parameters, which degraded micro-batches do not produce): `masked_scale = M / E`, with
+E = exact micro-batches in the whole group this step, i.e. the average over the replicas-worth that
+actually computed them.
 """
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ class MecefoConfig:
     """Degraded-mode techniques, low-rank settings and the takeover policy."""
 
     enabled: bool = True
-    """Install the degraded-mode hooks. They cost nothing until a plan marks micro-batches degraded."""
+    """Install the degraded-mode hooks (free until a plan marks micro-batches degraded)."""
     skip_attention_backward: bool = True
-    """Technique 1: attention branch runs without a graph; gradient flows through the residual only."""
+    """Technique 1: attention runs without a graph; gradient flows through the residual only."""
     recompute_ffn: bool = True
     """Technique 2: keep only the FFN input; recompute FFN intermediates in backward."""
     lowrank_ffn_grad: bool = True
-    """Technique 3: FFN weight grads G_W ~= G_y (x^T V) V^T with V the top-r right singular vectors."""
+    """Technique 3: FFN weight grads G_W ~= G_y (x^T V) V^T, V = top-r right singular vectors."""
     rank: float = 0.125
     """Low-rank r: an integer >= 1 is absolute; a value in (0, 1) is a fraction of the input dim."""
     tau: int = 50
@@ -25,7 +25,7 @@ class MecefoConfig:
     svd_method: Literal["exact", "randomized"] = "exact"
     """How V is computed: full SVD, or randomized range finder (cheaper at large shapes)."""
     takeover_policy: Literal["neighbor", "spread", "hybrid"] = "neighbor"
-    """Who runs a dead replica's micro-batches: its ring neighbour (MeCeFO), all survivors, or hybrid."""
+    """Who runs a dead replica's micro-batches: ring neighbour (MeCeFO), all survivors, hybrid."""
     hybrid_target_ratio: float = 1.15
     """hybrid: the slowest rank's step time must stay under this multiple of a normal rank's."""
 

@@ -1,4 +1,4 @@
-"""Cost model of one micro-batch, exact and degraded, for the takeover planner (pure Python, no torch).
+"""Cost model of one micro-batch, exact and degraded, for the takeover planner (pure; no torch).
 
 The planner only needs relative times: how long an exact and a degraded micro-batch take and a fixed
 per-step overhead (optimizer, all-reduce). Defaults come from FLOP counts; measured times (the
@@ -96,7 +96,7 @@ DEFAULT_DEGRADED_FRACTION = microbatch_flops(
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CostModel:
-    """Step time of a rank = overhead + exact micro-batches x exact time + degraded x degraded time."""
+    """Step time of a rank = overhead + #exact x exact time + #degraded x degraded time."""
 
     exact_microbatch_s: float = 1.0
     """Time of one exact micro-batch (forward + backward); any unit, only ratios matter."""
@@ -121,7 +121,11 @@ class CostModel:
 
     @classmethod
     def from_measured(
-        cls, *, exact_microbatch_s: float, degraded_microbatch_s: float, step_overhead_s: float = 0.0
+        cls,
+        *,
+        exact_microbatch_s: float,
+        degraded_microbatch_s: float,
+        step_overhead_s: float = 0.0,
     ) -> CostModel:
         """A cost model from measured times (seconds)."""
         return cls(

@@ -1,10 +1,10 @@
 """Degraded-mode hooks on megatron TransformerLayers and the controller the trainer drives.
 
 `install_degraded_mode` replaces each layer's `forward` with a thin dispatcher: exact mode calls the
-original bound method unchanged (bit-identical, one attribute read), degraded mode runs the attention
-branch without a graph (technique 1) and the FFN through `ffn.degraded_ffn` (techniques 2-3). The
-mode is the explicit module attribute `layer.mecefo_hooks.degraded`, set only by the controller;
-each micro-batch's graph records the mode it was built with, so its backward follows it.
+original bound method unchanged (bit-identical, one attribute read), degraded mode runs the
+attention branch without a graph (technique 1) and the FFN through `ffn.degraded_ffn` (techniques
+2-3). The mode is the explicit module attribute `layer.mecefo_hooks.degraded`, set only by the
+controller; each micro-batch's graph records the mode it was built with, so its backward follows it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ _HOOKS_ATTR = "mecefo_hooks"
 
 
 class _ResidualOnly(torch.autograd.Function):
-    """Returns the attention-branch result computed under no_grad; its gradient goes to the residual.
+    """Returns the attention-branch result computed under no_grad; its grad goes to the residual.
 
-    Forward value is exactly the exact-mode `h + Attn(LN1(h))` (same ops, same order); backward is the
-    identity to `h`, i.e. the attention branch is a constant (MeCeFO's skip-connection).
+    Forward value is exactly the exact-mode `h + Attn(LN1(h))` (same ops, same order); backward is
+    the identity to `h`, i.e. the attention branch is a constant (MeCeFO's skip-connection).
     """
 
     @staticmethod
@@ -220,7 +220,8 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
 
     Raises:
         ValueError: no TransformerLayer found or hooks already installed.
-        NotImplementedError: a layer the degraded FFN cannot handle (MoE, biases, sequence parallel).
+        NotImplementedError: a layer the degraded FFN cannot handle (MoE, biases, sequence
+            parallelism).
     """
     if not cfg.enabled:
         return DegradedModeController(cfg, [])

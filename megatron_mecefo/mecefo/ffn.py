@@ -1,7 +1,7 @@
 """Degraded-mode FFN: pre-MLP norm + SwiGLU MLP as one autograd function (techniques 2 and 3).
 
-Forward keeps only the FFN input (recompute on) and the rank-r projections x V (low-rank on); backward
-recomputes norm, fc1 and the activation, computes exact input gradients and low-rank weight
+Forward keeps only the FFN input (recompute on) and the rank-r projections x V (low-rank on);
+backward recomputes norm, fc1 and the activation, computes exact input gradients and low-rank weight
 gradients `G_W ~= (G_y^T (x V)) V^T` (written into megatron's `main_grad` when it exists). Weights
 are read by duck typing from megatron's local spec (`pre_mlp_layernorm.weight`) or the Transformer
 Engine spec (`linear_fc1.layer_norm_weight`); no megatron import. Tensor-parallel shards are handled
@@ -123,7 +123,9 @@ def _activation(a: Tensor, w: FfnWeights) -> Tensor:
     return w.activation(gate) * (up + w.glu_linear_offset)
 
 
-def _matmul_and_project(x: Tensor, weight: Tensor, v: Tensor | None) -> tuple[Tensor, Tensor | None]:
+def _matmul_and_project(
+    x: Tensor, weight: Tensor, v: Tensor | None
+) -> tuple[Tensor, Tensor | None]:
     if v is None:
         return x @ weight.t(), None
     return linear_with_projection(x, weight, v)  # (x W^T [t, m], x V [t, r])
@@ -152,7 +154,7 @@ def _weight_grad(param: torch.nn.Parameter, g_out: Tensor, x_or_proj: Tensor, v:
 
 
 class DegradedFfnFunction(torch.autograd.Function):
-    """out = fc2(act(fc1(rmsnorm(x)))) with recompute and low-rank weight grads (no residual add)."""
+    """out = fc2(act(fc1(rmsnorm(x)))) with recompute and low-rank weight grads (no residual)."""
 
     @staticmethod
     def forward(ctx, x, norm_weight, fc1, fc2, call: FfnCall):  # noqa: D102
@@ -221,6 +223,6 @@ class DegradedFfnFunction(torch.autograd.Function):
 
 
 def degraded_ffn(x: Tensor, call: FfnCall) -> Tensor:
-    """MLP branch output [s, b, d] of the FFN input x [s, b, d] (the residual is added by the caller)."""
+    """MLP branch output [s, b, d] of the FFN input x [s, b, d] (the caller adds the residual)."""
     w = call.weights
     return DegradedFfnFunction.apply(x, w.norm_weight, w.fc1, w.fc2, call)

@@ -1,8 +1,8 @@
-"""Top-r right singular vectors V of an FFN weight, and their per-layer cache refreshed every tau steps.
+"""Top-r right singular vectors V of an FFN weight, and their per-layer cache (refreshed every tau).
 
-V is computed from the weight only (never from gradients or the global RNG), so every replica holding
-the same weights gets the same V without communication. `randomized` draws its test matrix from a
-private generator seeded by (layer, weight, refresh bucket), never from torch's global RNG.
+V is computed from the weight only (never from gradients or the global RNG), so every replica
+holding the same weights gets the same V without communication. `randomized` draws its test matrix
+from a private generator seeded by (layer, weight, refresh bucket), never from torch's global RNG.
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ def top_right_singular_vectors(
 class SingularVectorCache:
     """Cached V of one FFN linear, refreshed when the step enters a new tau-bucket (step // tau).
 
-    The refresh is lazy: V is computed on the first degraded forward of a bucket, from the weights of
-    that step (weights do not change inside a step), so failure-free training pays nothing. Replicas
-    that enter degraded mode at the same step compute bitwise-identical V.
+    The refresh is lazy: V is computed on the first degraded forward of a bucket, from the weights
+    of that step (weights do not change inside a step), so failure-free training pays nothing.
+    Replicas that enter degraded mode at the same step compute bitwise-identical V.
     """
 
     rank: int
@@ -83,7 +83,7 @@ class SingularVectorCache:
     """V [n, r] in the weight's dtype."""
 
     def get(self, weight: Tensor, bucket: int) -> Tensor:
-        """V for `bucket`, (re)computed from `weight` if the cache is empty or from another bucket."""
+        """V for `bucket`, (re)computed from `weight` if empty or cached for another bucket."""
         if self.vectors is None or self.bucket != bucket:
             v = top_right_singular_vectors(
                 weight, self.rank, method=self.method, seed=self.seed * 1_000_003 + bucket

@@ -1,9 +1,9 @@
 """Which parameters masked averaging applies to (technique 4); the scaling itself is the trainer's.
 
-Degraded micro-batches produce no gradient for a layer's attention branch (input norm, self-attention
-including TE's fused `linear_qkv.layer_norm_weight`, and the cross-attention pieces that GPT leaves as
-identities). The trainer pre-scales those gradients by `plan.attention_grad_scale` instead of
-`plan.grad_scale` before its single SUM all-reduce.
+Degraded micro-batches produce no gradient for a layer's attention branch (input norm, self-
+attention including TE's fused `linear_qkv.layer_norm_weight`, and the cross-attention pieces that
+GPT leaves as identities). The trainer pre-scales those gradients by `plan.attention_grad_scale`
+instead of `plan.grad_scale` before its single SUM all-reduce.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Takeover planner: who runs a dead replica's micro-batches, and in which mode (pure; no torch).
 
 `make_step_plans` turns (alive set, micro-batches per replica, policy, cost model) into one
-`RankStepPlan` per alive replica. The global batch is unchanged: every (replica, micro-batch) pair of
-the failure-free job is run exactly once by some survivor. Gradient scaling follows the contract in
-`training/step_plan.py`: ordinary grads 1/n, attention/input-norm grads M/E (E = exact micro-batches
-in the group), which is 1/|N| for MeCeFO's Neighbor-Do-Both.
+`RankStepPlan` per alive replica. The global batch is unchanged: every (replica, micro-batch) pair
+of the failure-free job is run exactly once by some survivor. Gradient scaling follows the contract
+in `training/step_plan.py`: ordinary grads 1/n, attention/input-norm grads M/E (E = exact micro-
+batches in the group), which is 1/|N| for MeCeFO's Neighbor-Do-Both.
 """
 
 from __future__ import annotations

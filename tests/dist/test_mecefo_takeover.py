@@ -6,7 +6,8 @@ micro-batches, exactly as the MeCeFO paper evaluated. Checked against a failure-
   reduced gradients at every step and the failure-free parameters;
 - approximations on (neighbor, degraded mode) during a window of steps: survivors stay bitwise
   identical and the final validation loss stays within VAL_MARGIN of the failure-free run.
-Three spawned jobs in all (startup dominates: about 20-30 s each on 2 shared cores).
+Plus a TP=2 check of the degraded FFN at full rank. Four spawned jobs in all (about 35 s on an
+idle 2-core machine, about 90 s under load; startup dominates).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ N, M, DEAD = 3, 2, 2
 STEPS_EXACT = 6  # equivalence run: neighbor for steps 0-2, spread for 3-5
 STEPS_WINDOW, WINDOW = 40, range(8, 32)  # degraded window run: steps 8..31 covered by neighbour
 VAL_MARGIN = 0.03  # measured |val(window) - val(failure-free)| = 0.0080 (4.1146 vs 4.1226)
-APPROX_OFF = ["mecefo.skip_attention_backward=false", "mecefo.recompute_ffn=false",
-              "mecefo.lowrank_ffn_grad=false"]
+APPROX_OFF = [
+    "mecefo.skip_attention_backward=false",
+    "mecefo.recompute_ffn=false",
+    "mecefo.lowrank_ffn_grad=false",
+]
 
 
 def _worker(rank, demo_dir, overrides, steps, world, window, policy_in_window):
@@ -32,10 +36,19 @@ def _worker(rank, demo_dir, overrides, steps, world, window, policy_in_window):
 
     # Same train-sample count in every layout (the dataset index depends on it): steps x N replicas.
     max_steps = STEPS_WINDOW * N // world
-    cfg = load_config(RunConfig, "configs/run/demo_cpu.yaml", [
-        f"data.demo_dir={demo_dir}", f"training.max_steps={max_steps}",
-        f"training.lr_decay_steps={STEPS_WINDOW}", "training.warmup_steps=4",
-        f"training.num_microbatches={M}", "training.eval_microbatches=6", *overrides])
+    cfg = load_config(
+        RunConfig,
+        "configs/run/demo_cpu.yaml",
+        [
+            f"data.demo_dir={demo_dir}",
+            f"training.max_steps={max_steps}",
+            f"training.lr_decay_steps={STEPS_WINDOW}",
+            "training.warmup_steps=4",
+            f"training.num_microbatches={M}",
+            "training.eval_microbatches=6",
+            *overrides,
+        ],
+    )
     engine = build_engine(cfg)
     alive = [r for r in range(N) if r != DEAD][:world] if world < N else list(range(N))
     me = alive[engine.ctx.dp_rank]  # logical replica index of this process
@@ -44,13 +57,15 @@ def _worker(rank, demo_dir, overrides, steps, world, window, policy_in_window):
         plan = None
         if world < N:  # replica DEAD is missing: outside the window survivors run its batch exactly
             policy = policy_in_window(step) if step in window else "spread"
-            plan = make_step_plans(alive=alive, num_replicas=N, num_microbatches=M, policy=policy,
-                                   cost=CostModel())[me]
+            plan = make_step_plans(
+                alive=alive, num_replicas=N, num_microbatches=M, policy=policy, cost=CostModel()
+            )[me]
             out["degraded"].append(plan.num_degraded)
         out["losses"].append(engine.train_step(step, plan).loss)
         if step < STEPS_EXACT:  # reduced (pre-scaled, all-reduced) gradients of this step
-            out["grads"].append({n: p.main_grad.detach().clone()
-                                 for n, p in engine.ddp.module.named_parameters()})
+            out["grads"].append(
+                {n: p.main_grad.detach().clone() for n, p in engine.ddp.module.named_parameters()}
+            )
         if step == STEPS_EXACT - 1:
             out["params_exact"] = _params(engine)
     out["val"] = engine.evaluate()
@@ -79,8 +94,9 @@ def demo_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def failure_free(demo_dir):
     """DP=3, every replica alive, default MeCeFO config (exact mode throughout)."""
-    runs = run_distributed(_worker, N, demo_dir, [], STEPS_WINDOW, N, range(0), _neighbor,
-                           timeout_s=120)
+    runs = run_distributed(
+        _worker, N, demo_dir, [], STEPS_WINDOW, N, range(0), _neighbor, timeout_s=120
+    )
     for r in runs[1:]:
         assert all(r["params"][n].equal(p) for n, p in runs[0]["params"].items())
     return runs[0]
@@ -88,37 +104,93 @@ def failure_free(demo_dir):
 
 @pytest.mark.timeout(150)
 def test_takeover_with_approximations_off_equals_failure_free(demo_dir, failure_free):
-    # replica 2 dead from step 0: neighbor (replica 0 covers 2, "degraded" = exact here), then spread
-    r0, r1 = run_distributed(_worker, N - 1, demo_dir, APPROX_OFF, STEPS_EXACT, N - 1,
-                             range(STEPS_EXACT), _neighbor_then_spread, timeout_s=120)
+    # replica 2 dead from step 0: neighbor (0 covers 2, "degraded" = exact here), then spread
+    r0, r1 = run_distributed(
+        _worker,
+        N - 1,
+        demo_dir,
+        APPROX_OFF,
+        STEPS_EXACT,
+        N - 1,
+        range(STEPS_EXACT),
+        _neighbor_then_spread,
+        timeout_s=120,
+    )
     half = STEPS_EXACT // 2
     assert r0["degraded"] == [2 * M] * half + [0] * half and r1["degraded"] == [0] * STEPS_EXACT
     assert r0["losses"] == r1["losses"]
     for name, p in r0["params"].items():
         assert r1["params"][name].equal(p), f"replicas diverged at {name}"
-    torch.testing.assert_close(torch.tensor(r0["losses"]),
-                               torch.tensor(failure_free["losses"][:STEPS_EXACT]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(r0["losses"]),
+        torch.tensor(failure_free["losses"][:STEPS_EXACT]),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     for step in range(STEPS_EXACT):  # same gradients up to float summation order
         for name, g in failure_free["grads"][step].items():
-            torch.testing.assert_close(r0["grads"][step][name], g, rtol=1e-4, atol=1e-6,
-                                       msg=f"step {step} {name}")
+            torch.testing.assert_close(
+                r0["grads"][step][name], g, rtol=1e-4, atol=1e-6, msg=f"step {step} {name}"
+            )
     for name, p in failure_free["params_exact"].items():  # and the same parameters
         torch.testing.assert_close(r0["params"][name], p, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.timeout(150)
 def test_degraded_window_keeps_replicas_identical_and_loss_close(demo_dir, failure_free):
-    r0, r1 = run_distributed(_worker, N - 1, demo_dir, [], STEPS_WINDOW, N - 1, WINDOW,
-                             _neighbor, timeout_s=120)
+    r0, r1 = run_distributed(
+        _worker, N - 1, demo_dir, [], STEPS_WINDOW, N - 1, WINDOW, _neighbor, timeout_s=120
+    )
     assert r0["degraded"] == [2 * M if s in WINDOW else 0 for s in range(STEPS_WINDOW)]
     for name, p in r0["params"].items():
         assert r1["params"][name].equal(p), f"replicas diverged at {name}"
     assert r0["losses"] == r1["losses"]
     gap = abs(r0["val"] - failure_free["val"])
-    print(f"val loss: failure-free {failure_free['val']:.4f}, degraded window {r0['val']:.4f}, "
-          f"gap {gap:.4f}")
+    print(
+        f"val loss: failure-free {failure_free['val']:.4f}, degraded window {r0['val']:.4f}, "
+        f"gap {gap:.4f}"
+    )
     assert gap < VAL_MARGIN
     # the degraded steps really changed the training (the approximations are on)
     last = WINDOW.stop - 1
     assert abs(r0["losses"][last] - failure_free["losses"][last]) > 1e-6
+
+
+def _tp_worker(rank):
+    import torch
+
+    from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
+    from megatron_mecefo.mcore.model import build_gpt_model
+    from megatron_mecefo.mcore.parallel import destroy_parallel, init_parallel, seed_everything
+    from megatron_mecefo.mecefo import MecefoConfig, install_degraded_mode
+
+    init_parallel(ParallelConfig(tensor_model_parallel_size=2, backend="gloo"))
+    cfg = ModelConfig(spec="local")
+    seed_everything(1234)
+    model = build_gpt_model(cfg, tp_size=2)[0]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length), generator=gen)
+    pos = torch.arange(cfg.seq_length).expand(2, cfg.seq_length)
+
+    def fwd_bwd():
+        for p in model.parameters():
+            p.grad = None
+        loss = model(tokens, pos, attention_mask=None, labels=tokens.roll(-1, 1)).mean()
+        loss.backward()
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_loss, ref = fwd_bwd()
+    # full rank on the local shards (fc1: n = d = 64, fc2: n = f/2 = 86) + recompute, no skip
+    ctl = install_degraded_mode(model, MecefoConfig(skip_attention_backward=False, rank=0.999))
+    ctl.set_degraded(True)
+    loss, grads = fwd_bwd()
+    destroy_parallel()
+    return ref_loss, loss, max(float((grads[n] - g).norm() / g.norm()) for n, g in ref.items())
+
+
+@pytest.mark.timeout(90)
+def test_degraded_ffn_under_tensor_parallelism():
+    """TP=2: the degraded FFN's explicit TP all-reduces give the exact gradients at full rank."""
+    for ref_loss, loss, max_rel_err in run_distributed(_tp_worker, 2, timeout_s=80):
+        assert loss == pytest.approx(ref_loss, rel=1e-6)
+        assert max_rel_err < 1e-5

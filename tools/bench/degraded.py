@@ -27,18 +27,26 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", nargs="*", default=None, help="presets (default: tiny small on CPU)")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--mbs", type=int, default=4, help="micro-batch size (sequences)")
     p.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per replica")
-    p.add_argument("--replicas", type=int, nargs="+", default=[4, 8, 32], help="n for spread/hybrid")
+    p.add_argument(
+        "--replicas", type=int, nargs="+", default=[4, 8, 32], help="n for spread/hybrid"
+    )
     p.add_argument("--target-ratio", type=float, default=1.15, help="hybrid's step-time bound")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per scenario (min)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--svd-shapes", nargs="*", default=[], help="presets whose FFN SVD cost to time")
-    p.add_argument("--grad-error-steps", type=int, default=0,
-                   help="also report the degraded gradient error after this many exact steps")
+    p.add_argument(
+        "--grad-error-steps",
+        type=int,
+        default=0,
+        help="also report the degraded gradient error after this many exact steps",
+    )
     p.add_argument("--out", default="bench_out/degraded.json")
     return p.parse_args()
 
@@ -70,7 +78,11 @@ class Rank:
         gen = torch.Generator().manual_seed(0)
         s = model_cfg.seq_length
         tokens = torch.randint(0, model_cfg.vocab_size, (args.mbs, s), generator=gen).to(device)
-        self.batch = (tokens, torch.arange(s, device=device).expand(args.mbs, s), tokens.roll(-1, 1))
+        self.batch = (
+            tokens,
+            torch.arange(s, device=device).expand(args.mbs, s),
+            tokens.roll(-1, 1),
+        )
 
     def micro_batch(self, degraded: bool) -> None:
         tokens, pos, labels = self.batch
@@ -148,22 +160,41 @@ def bench_model(name: str, args, device) -> dict:
     def add(label: str, flags: list[bool], n: int | None = None, predicted: float | None = None):
         t = timed(rank, flags, reps)
         mem = max(rank.peak_activation_bytes(f) for f in set(flags))
-        rows.append({"scenario": label, "n": n, "microbatches": len(flags),
-                     "degraded": sum(flags), "step_s": t, "predicted_s": predicted,
-                     "peak_activation_bytes": mem})
-        print(f"  {label:<18} n={n or '-':<3} mb={len(flags):<3} degr={sum(flags):<3} "
-              f"{t * 1e3:9.1f} ms  act {mem / 2**20:8.2f} MiB", flush=True)
+        rows.append(
+            {
+                "scenario": label,
+                "n": n,
+                "microbatches": len(flags),
+                "degraded": sum(flags),
+                "step_s": t,
+                "predicted_s": predicted,
+                "peak_activation_bytes": mem,
+            }
+        )
+        print(
+            f"  {label:<18} n={n or '-':<3} mb={len(flags):<3} degr={sum(flags):<3} "
+            f"{t * 1e3:9.1f} ms  act {mem / 2**20:8.2f} MiB",
+            flush=True,
+        )
 
-    print(f"{name}: {model_cfg.num_layers} layers, d={model_cfg.hidden_size}, "
-          f"f={model_cfg.ffn_hidden_size}, s={model_cfg.seq_length}, mbs={args.mbs}, M={m}")
+    print(
+        f"{name}: {model_cfg.num_layers} layers, d={model_cfg.hidden_size}, "
+        f"f={model_cfg.ffn_hidden_size}, s={model_cfg.seq_length}, mbs={args.mbs}, M={m}"
+    )
     add("normal", [False] * m)
     add("ndb_naive", [False] * (2 * m))
     add("mecefo_neighbor", [True] * (2 * m))
     for n in args.replicas:
         alive = list(range(1, n))  # replica 0 dead
         for policy in ("spread", "hybrid"):
-            plans = make_step_plans(alive=alive, num_replicas=n, num_microbatches=m, policy=policy,
-                                    cost=cost, target_ratio=args.target_ratio)
+            plans = make_step_plans(
+                alive=alive,
+                num_replicas=n,
+                num_microbatches=m,
+                policy=policy,
+                cost=cost,
+                target_ratio=args.target_ratio,
+            )
             times = plan_step_times(plans, cost)
             slowest = max(times, key=times.get)
             add(policy, [t.degraded for t in plans[slowest].tasks], n, times[slowest])
@@ -179,9 +210,17 @@ def bench_model(name: str, args, device) -> dict:
         t_hooked = min(t_hooked, timed(rank, [False] * m, 1))
     del plain
     svd_s = refresh_time(rank)
-    return {"model": name, "config": vars(model_cfg), "device": str(device), "mbs": args.mbs,
-            "microbatches": m, "cost_model": vars(cost), "rows": rows,
-            "exact_mode_overhead": t_hooked / t_plain - 1.0, "svd_refresh_s": svd_s}
+    return {
+        "model": name,
+        "config": vars(model_cfg),
+        "device": str(device),
+        "mbs": args.mbs,
+        "microbatches": m,
+        "cost_model": vars(cost),
+        "rows": rows,
+        "exact_mode_overhead": t_hooked / t_plain - 1.0,
+        "svd_refresh_s": svd_s,
+    }
 
 
 def refresh_time(rank: Rank) -> float:
@@ -224,9 +263,13 @@ def bench_svd(name: str, device) -> list[dict]:
             row[f"{method}_v"] = v
         proj = lambda v: v @ v.T  # noqa: E731
         row["subspace_rel_diff"] = float(
-            (proj(row.pop("randomized_v")) - proj(row.pop("exact_v"))).norm() / r**0.5)
-        print(f"  svd {name} {label} {shape} r={r}: exact {row['exact_s']:.3f} s, "
-              f"randomized {row['randomized_s']:.3f} s", flush=True)
+            (proj(row.pop("randomized_v")) - proj(row.pop("exact_v"))).norm() / r**0.5
+        )
+        print(
+            f"  svd {name} {label} {shape} r={r}: exact {row['exact_s']:.3f} s, "
+            f"randomized {row['randomized_s']:.3f} s",
+            flush=True,
+        )
         out.append(row)
     return out
 
@@ -265,31 +308,45 @@ def grad_error(name: str, args, device, steps: int) -> list[dict]:
             got = grads()
             rank.controller.uninstall()
             rank.controller = plain
-            row = {"after_steps": trained, "rank_fraction": frac,
-                   "ffn_weight_grad_rel_error": rel(got, ref, ffn),
-                   "computed_grads_rel_error": rel(got, ref, list(got))}
+            row = {
+                "after_steps": trained,
+                "rank_fraction": frac,
+                "ffn_weight_grad_rel_error": rel(got, ref, ffn),
+                "computed_grads_rel_error": rel(got, ref, list(got)),
+            }
             results.append(row)
-            print(f"  grad error {name} after {trained} steps, r=n/{round(1 / frac)}: FFN weights "
-                  f"{row['ffn_weight_grad_rel_error']:.3f}, all computed grads "
-                  f"{row['computed_grads_rel_error']:.3f}", flush=True)
+            print(
+                f"  grad error {name} after {trained} steps, r=n/{round(1 / frac)}: FFN weights "
+                f"{row['ffn_weight_grad_rel_error']:.3f}, all computed grads "
+                f"{row['computed_grads_rel_error']:.3f}",
+                flush=True,
+            )
     return results
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{result['model']} ({result['device']}), M={result['microbatches']}; cost model "
-          f"exact {result['cost_model']['exact_microbatch_s'] * 1e3:.1f} ms, degraded "
-          f"{result['cost_model']['degraded_microbatch_s'] * 1e3:.1f} ms, overhead "
-          f"{result['cost_model']['step_overhead_s'] * 1e3:.1f} ms")
-    print(f"{'scenario':<18}{'n':>4}{'mb':>5}{'degr':>6}{'step ms':>10}{'ratio':>8}"
-          f"{'pred':>8}{'act MiB':>10}{'act ratio':>10}")
+    print(
+        f"\n{result['model']} ({result['device']}), M={result['microbatches']}; cost model "
+        f"exact {result['cost_model']['exact_microbatch_s'] * 1e3:.1f} ms, degraded "
+        f"{result['cost_model']['degraded_microbatch_s'] * 1e3:.1f} ms, overhead "
+        f"{result['cost_model']['step_overhead_s'] * 1e3:.1f} ms"
+    )
+    print(
+        f"{'scenario':<18}{'n':>4}{'mb':>5}{'degr':>6}{'step ms':>10}{'ratio':>8}"
+        f"{'pred':>8}{'act MiB':>10}{'act ratio':>10}"
+    )
     normal = result["rows"][0]["step_s"]
     for r in result["rows"]:
         pred = f"{r['predicted_s'] / normal:.2f}" if r["predicted_s"] else "-"
-        print(f"{r['scenario']:<18}{r['n'] or '-':>4}{r['microbatches']:>5}{r['degraded']:>6}"
-              f"{r['step_s'] * 1e3:>10.1f}{r['ratio']:>8.2f}{pred:>8}"
-              f"{r['peak_activation_bytes'] / 2**20:>10.2f}{r['memory_ratio']:>10.2f}")
-    print(f"exact-mode hook overhead: {result['exact_mode_overhead'] * 100:+.1f}% ; "
-          f"V refresh of all layers: {result['svd_refresh_s'] * 1e3:.1f} ms every tau steps")
+        print(
+            f"{r['scenario']:<18}{r['n'] or '-':>4}{r['microbatches']:>5}{r['degraded']:>6}"
+            f"{r['step_s'] * 1e3:>10.1f}{r['ratio']:>8.2f}{pred:>8}"
+            f"{r['peak_activation_bytes'] / 2**20:>10.2f}{r['memory_ratio']:>10.2f}"
+        )
+    print(
+        f"exact-mode hook overhead: {result['exact_mode_overhead'] * 100:+.1f}% ; "
+        f"V refresh of all layers: {result['svd_refresh_s'] * 1e3:.1f} ms every tau steps"
+    )
 
 
 def main() -> int:
@@ -302,8 +359,11 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     ctx = init_parallel(ParallelConfig())
     device = ctx.device
-    models = args.models if args.models is not None else (["tiny", "small"] if ctx.on_cpu
-                                                          else ["llama-350m"])
+    models = (
+        args.models
+        if args.models is not None
+        else (["tiny", "small"] if ctx.on_cpu else ["llama-350m"])
+    )
     report = {"models": [], "svd": [], "grad_error": []}
     for name in models:
         result = bench_model(name, args, device)

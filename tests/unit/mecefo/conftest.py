@@ -1,4 +1,4 @@
-"""Fixtures for the MeCeFO unit tests: one single-process megatron context and tiny-model helpers."""
+"""Fixtures for the MeCeFO unit tests: a single-process megatron context, tiny-model helpers."""
 
 from __future__ import annotations
 

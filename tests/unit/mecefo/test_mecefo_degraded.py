@@ -102,8 +102,10 @@ def test_saved_activation_bytes_drop(build_tiny, tiny_batch):
         # degraded keeps only the FFN input [t, d] and the projections x V [t, r1], [t, r2] (fp32)
         assert degraded[i] == 4 * tokens * (cfg.hidden_size + r1 + r2)
         assert degraded[i] * 10 < exact[i]
-    print(f"saved bytes per layer: exact {exact[0]}, degraded {degraded[0]} "
-          f"({exact[0] / degraded[0]:.1f}x less)")
+    print(
+        f"saved bytes per layer: exact {exact[0]}, degraded {degraded[0]} "
+        f"({exact[0] / degraded[0]:.1f}x less)"
+    )
 
 
 def test_full_rank_reproduces_exact_ffn_gradients_on_the_model(build_tiny, tiny_batch):
@@ -115,10 +117,13 @@ def test_full_rank_reproduces_exact_ffn_gradients_on_the_model(build_tiny, tiny_
     for rank in (8, 16, 32, 64, 172):  # absolute r; fc1 (n = 64) clamps to 64 = n from r = 64
         model, _ = build_tiny()
         ctl = install_degraded_mode(
-            model, MecefoConfig(skip_attention_backward=False, recompute_ffn=True, rank=rank))
+            model, MecefoConfig(skip_attention_backward=False, recompute_ffn=True, rank=rank)
+        )
         ctl.set_degraded(True)
         _, grads = _fwd_bwd(model, batch)
-        errors[rank] = ((_flat(grads, ffn) - _flat(ref, ffn)).norm() / _flat(ref, ffn).norm()).item()
+        errors[rank] = (
+            (_flat(grads, ffn) - _flat(ref, ffn)).norm() / _flat(ref, ffn).norm()
+        ).item()
         other = [n for n in ref if n not in ffn]
         torch.testing.assert_close(_flat(grads, other), _flat(ref, other))  # exact elsewhere
         if rank == 172:  # r = n for both FFN linears
@@ -139,10 +144,13 @@ def test_default_rank_gradient_error_is_reported(build_tiny, tiny_batch):
     ffn = [n for n in ref if ".mlp.linear_fc" in n]
     unmasked = [n for n in ref if not ctl.is_masked_param(n)]
     ffn_err = ((_flat(grads, ffn) - _flat(ref, ffn)).norm() / _flat(ref, ffn).norm()).item()
-    all_err = ((_flat(grads, unmasked) - _flat(ref, unmasked)).norm()
-               / _flat(ref, unmasked).norm()).item()
-    print(f"default r = d/8: FFN weight-grad rel. error {ffn_err:.3f}, "
-          f"all computed grads {all_err:.3f}")
+    all_err = (
+        (_flat(grads, unmasked) - _flat(ref, unmasked)).norm() / _flat(ref, unmasked).norm()
+    ).item()
+    print(
+        f"default r = d/8: FFN weight-grad rel. error {ffn_err:.3f}, "
+        f"all computed grads {all_err:.3f}"
+    )
     assert 0 < ffn_err < 1.0 and 0 < all_err < 1.0
 
 
@@ -186,7 +194,9 @@ def test_masked_param_names_and_uninstall(build_tiny):
         install_degraded_mode(model, MecefoConfig())
     assert ctl.is_masked_param("module.module.decoder.layers.0.self_attention.linear_qkv.weight")
     assert ctl.is_masked_param("decoder.layers.3.input_layernorm.weight")
-    assert ctl.is_masked_param("module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight")
+    assert ctl.is_masked_param(
+        "module.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
+    )
     assert not ctl.is_masked_param("decoder.layers.0.mlp.linear_fc1.layer_norm_weight")  # TE
     assert not ctl.is_masked_param("decoder.layers.0.pre_mlp_layernorm.weight")
     assert not ctl.is_masked_param("decoder.final_layernorm.weight")
@@ -210,7 +220,8 @@ def test_megatron_ddp_main_grad_path(build_tiny, tiny_batch):
 
     model, _ = build_tiny()
     ddp = DistributedDataParallel(
-        config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+        config=model.config, ddp_config=DistributedDataParallelConfig(), module=model
+    )
     ctl = install_degraded_mode(ddp, MecefoConfig())
     ctl.set_degraded(True)
     ddp.zero_grad_buffer()

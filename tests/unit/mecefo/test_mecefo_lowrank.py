@@ -19,9 +19,16 @@ def _weights(seed: int = 0, dtype=torch.float64) -> FfnWeights:
         return torch.nn.Parameter((torch.randn(*shape, generator=gen) * scale).to(dtype))
 
     return FfnWeights(
-        norm_weight=torch.nn.Parameter(1 + param(D).detach()), norm_eps=1e-5,
-        zero_centered_gamma=False, fc1=param(2 * FFN, D), fc2=param(D, FFN), activation=F.silu,
-        gated=True, glu_linear_offset=0.0, clamp_value=None, tp_group=None,
+        norm_weight=torch.nn.Parameter(1 + param(D).detach()),
+        norm_eps=1e-5,
+        zero_centered_gamma=False,
+        fc1=param(2 * FFN, D),
+        fc2=param(D, FFN),
+        activation=F.silu,
+        gated=True,
+        glu_linear_offset=0.0,
+        clamp_value=None,
+        tp_group=None,
     )
 
 
@@ -97,7 +104,9 @@ def test_main_grad_accumulation_like_megatron_ddp():
 def test_saved_tensors_are_input_and_projections_only():
     w = _weights(dtype=torch.float32)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.shape) or t, lambda t: t
+    ):
         x = torch.randn(TOKENS, 1, D, requires_grad=True)
         _degraded(4, 6)(x, w)
     assert sorted(tuple(s) for s in saved) == sorted([(TOKENS, D), (TOKENS, 4), (TOKENS, 6)])

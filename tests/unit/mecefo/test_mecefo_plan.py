@@ -15,7 +15,11 @@ COST = CostModel()  # FLOP defaults: degraded ~0.73 of an exact micro-batch
 
 def _plans(alive, n, m, policy, cost=COST, target=1.15):
     return make_step_plans(
-        alive=alive, num_replicas=n, num_microbatches=m, policy=policy, cost=cost,
+        alive=alive,
+        num_replicas=n,
+        num_microbatches=m,
+        policy=policy,
+        cost=cost,
         target_ratio=target,
     )
 
@@ -107,14 +111,22 @@ def test_hybrid_is_exact_when_spread_already_fits():
 
 def test_hybrid_never_slower_than_spread_or_neighbor():
     cost = CostModel.from_flops(
-        microbatch_flops(num_layers=24, hidden_size=1024, ffn_hidden_size=2736, seq_length=1024,
-                         vocab_size=32000, micro_batch_size=4),
+        microbatch_flops(
+            num_layers=24,
+            hidden_size=1024,
+            ffn_hidden_size=2736,
+            seq_length=1024,
+            vocab_size=32000,
+            micro_batch_size=4,
+        ),
         step_overhead_fraction=0.2,
     )
     for n, m in [(4, 4), (8, 8), (32, 8)]:
         alive = list(range(1, n))
-        worst = {pol: max(plan_step_times(_plans(alive, n, m, pol, cost=cost), cost).values())
-                 for pol in ("neighbor", "spread", "hybrid")}
+        worst = {
+            pol: max(plan_step_times(_plans(alive, n, m, pol, cost=cost), cost).values())
+            for pol in ("neighbor", "spread", "hybrid")
+        }
         assert worst["hybrid"] <= worst["spread"] + 1e-9
         assert worst["hybrid"] <= worst["neighbor"] + 1e-9
 
@@ -153,10 +165,12 @@ def test_scaling_contract_reproduces_global_averages():
         exact_grads = []
         for p in plans.values():
             local = sum(grad[t.source_dp_rank, t.micro_index] / m for t in p.tasks)
-            local_attn = sum(grad[t.source_dp_rank, t.micro_index] / m
-                             for t in p.tasks if not t.degraded)
-            exact_grads += [grad[t.source_dp_rank, t.micro_index] for t in p.tasks
-                            if not t.degraded]
+            local_attn = sum(
+                grad[t.source_dp_rank, t.micro_index] / m for t in p.tasks if not t.degraded
+            )
+            exact_grads += [
+                grad[t.source_dp_rank, t.micro_index] for t in p.tasks if not t.degraded
+            ]
             ordinary += p.grad_scale * local
             attention += p.attention_grad_scale * local_attn
         assert ordinary == pytest.approx(target)
@@ -191,15 +205,29 @@ def test_invalid_neighbor_inputs_raise():
 
 
 def test_cost_model_from_flops_and_measured():
-    flops = microbatch_flops(num_layers=24, hidden_size=1024, ffn_hidden_size=2736,
-                             seq_length=1024, vocab_size=32000, micro_batch_size=4)
+    flops = microbatch_flops(
+        num_layers=24,
+        hidden_size=1024,
+        ffn_hidden_size=2736,
+        seq_length=1024,
+        vocab_size=32000,
+        micro_batch_size=4,
+    )
     assert 0.5 < flops.ratio < 0.8  # MeCeFO neighbour: 1 + ratio ~ 1.5-1.75x a normal rank
-    off = microbatch_flops(num_layers=24, hidden_size=1024, ffn_hidden_size=2736,
-                           seq_length=1024, vocab_size=32000, skip_attention_backward=False,
-                           recompute_ffn=False, lowrank_ffn_grad=False)
+    off = microbatch_flops(
+        num_layers=24,
+        hidden_size=1024,
+        ffn_hidden_size=2736,
+        seq_length=1024,
+        vocab_size=32000,
+        skip_attention_backward=False,
+        recompute_ffn=False,
+        lowrank_ffn_grad=False,
+    )
     assert off.ratio == pytest.approx(1.0)  # all techniques off: degraded == exact
-    cost = CostModel.from_measured(exact_microbatch_s=0.2, degraded_microbatch_s=0.1,
-                                   step_overhead_s=0.05)
+    cost = CostModel.from_measured(
+        exact_microbatch_s=0.2, degraded_microbatch_s=0.1, step_overhead_s=0.05
+    )
     assert cost.step_time(4, 2) == pytest.approx(0.05 + 0.8 + 0.2)
     with pytest.raises(ValueError):
         CostModel(exact_microbatch_s=0.0)

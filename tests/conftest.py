@@ -1,7 +1,18 @@
-"""Shared pytest set-up: repo root importable (spawned workers import test modules by name)."""
+"""Shared pytest set-up: repo root importable (spawned workers import test modules by name), and
+Triton's CPU interpreter switched on for the whole session when there is no GPU.
 
+`triton.jit` fixes compiled-vs-interpreted when a kernel (including triton's own standard-library
+helpers) is decorated; megatron-core imports triton early, so the variable must be set before any
+test module is imported. `backend="auto"` never sends CPU tensors to Triton, so this only affects
+the kernel tests that ask for the interpreter explicitly.
+"""
+
+import os
 import sys
 from pathlib import Path
+
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:

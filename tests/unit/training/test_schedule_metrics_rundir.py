@@ -37,8 +37,14 @@ def test_training_config_rejects_bad_values():
 
 
 def _record(step, **extra):
-    return {"step": step, "loss": 3.0 - 0.1 * step, "lr": 1e-3, "grad_norm": 0.5,
-            "tokens_per_s": 1000.0, **extra}
+    return {
+        "step": step,
+        "loss": 3.0 - 0.1 * step,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "tokens_per_s": 1000.0,
+        **extra,
+    }
 
 
 def test_metrics_jsonl_interval_eval_rows_and_events(tmp_path, capsys):
@@ -113,8 +119,12 @@ def test_step_plan_scales():
     plan = failure_free_plan(dp_rank=1, num_replicas=4, num_microbatches=3)
     assert [t.source_dp_rank for t in plan.tasks] == [1, 1, 1]
     assert plan.grad_scale == plan.attention_grad_scale == 0.25 and plan.num_degraded == 0
-    covering = RankStepPlan(tasks=(MicroBatchTask(0, 0, True), MicroBatchTask(1, 0, True)),
-                            num_replicas=4, microbatches_per_replica=1, masked_scale=0.5)
+    covering = RankStepPlan(
+        tasks=(MicroBatchTask(0, 0, True), MicroBatchTask(1, 0, True)),
+        num_replicas=4,
+        microbatches_per_replica=1,
+        masked_scale=0.5,
+    )
     assert covering.attention_grad_scale == 0.5 and covering.num_degraded == 2
     with pytest.raises(ValueError):
         RankStepPlan(tasks=(), num_replicas=0, microbatches_per_replica=1)

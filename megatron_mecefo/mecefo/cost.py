@@ -83,15 +83,12 @@ def microbatch_flops(
     )
 
 
-# llama-350m (configs/model/llama-350m.yaml), micro-batch 4 x 1024 tokens, r = d/8: about 0.73.
-DEFAULT_DEGRADED_FRACTION = microbatch_flops(
-    num_layers=24,
-    hidden_size=1024,
-    ffn_hidden_size=2736,
-    seq_length=1024,
-    vocab_size=32000,
-    micro_batch_size=4,
-).ratio
+# The llama-350m shape (configs/model/llama-350m.yaml), as `microbatch_flops` keyword arguments.
+LLAMA_350M_SHAPE = dict(
+    num_layers=24, hidden_size=1024, ffn_hidden_size=2736, seq_length=1024, vocab_size=32000
+)
+# llama-350m, micro-batch 4 x 1024 tokens, r = d/8: about 0.73.
+DEFAULT_DEGRADED_FRACTION = microbatch_flops(**LLAMA_350M_SHAPE, micro_batch_size=4).ratio
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

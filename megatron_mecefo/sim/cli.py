@@ -16,10 +16,10 @@ import time
 from megatron_mecefo.errors import ConfigError, ExitCode, MecefoError
 from megatron_mecefo.sim import events as events_mod
 from megatron_mecefo.sim import paper, plots, spare
-from megatron_mecefo.sim.failures import FailureProcess, generate_trace
+from megatron_mecefo.sim.failures import FailureProcess
 from megatron_mecefo.sim.planner import PlanConfig, plan
 from megatron_mecefo.sim.scenario import injections_to_trace, load_scenario
-from megatron_mecefo.sim.simulator import JobConfig, simulate_all
+from megatron_mecefo.sim.simulator import JobConfig, simulate_all, trace_for_job
 from megatron_mecefo.sim.strategies import STRATEGY_NAMES, StrategyConfig
 
 DEFAULT_STRATEGIES = (
@@ -177,13 +177,7 @@ def _trace(args, job: JobConfig):
             horizon_s=job.t0_s * job.horizon_factor,
         ), None
     seed = args.seed if scenario is None else scenario.seed + args.seed
-    trace = generate_trace(
-        proc,
-        num_gpus=job.num_gpus,
-        gpus_per_group=job.gpus_per_group,
-        horizon_s=job.t0_s * job.horizon_factor,
-        seed=seed,
-    )
+    trace = trace_for_job(proc, job, seed)
     return trace, proc.cluster_mtbf_s(job.num_gpus)
 
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.sim import spare
-from megatron_mecefo.sim.failures import FailureProcess, generate_trace
-from megatron_mecefo.sim.simulator import JobConfig, SimResult, simulate
+from megatron_mecefo.sim.failures import FailureProcess
+from megatron_mecefo.sim.simulator import JobConfig, SimResult, simulate, trace_for_job
 from megatron_mecefo.sim.strategies import STRATEGY_NAMES, StrategyConfig
 
 
@@ -119,16 +119,7 @@ def sweep(
 ) -> list[PlanRow]:
     """Simulate each config on `plan.seeds` shared traces; rows sorted fastest first."""
     m = process.cluster_mtbf_s(job.num_gpus)
-    traces = [
-        generate_trace(
-            process,
-            num_gpus=job.num_gpus,
-            gpus_per_group=job.gpus_per_group,
-            horizon_s=job.t0_s * job.horizon_factor,
-            seed=plan.seed + i,
-        )
-        for i in range(plan.seeds)
-    ]
+    traces = [trace_for_job(process, job, plan.seed + i) for i in range(plan.seeds)]
     rows = []
     for cfg in configs:
         runs: list[SimResult] = [simulate(job, cfg, tr, system_mtbf_s=m) for tr in traces]

@@ -17,7 +17,7 @@ import numpy as np
 
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.sim import spare
-from megatron_mecefo.sim.failures import FailureTrace
+from megatron_mecefo.sim.failures import FailureProcess, FailureTrace, generate_trace
 from megatron_mecefo.sim.strategies import Strategy, StrategyConfig, build_strategy
 
 
@@ -64,6 +64,17 @@ class JobConfig:
     def t0_s(self) -> float:
         """T_0: failure-free time to train without redundancy."""
         return self.num_steps * self.step_time_s
+
+
+def trace_for_job(process: FailureProcess, job: JobConfig, seed: int) -> FailureTrace:
+    """A failure trace covering `job`'s horizon (`horizon_factor * T_0`) on its GPUs and groups."""
+    return generate_trace(
+        process,
+        num_gpus=job.num_gpus,
+        gpus_per_group=job.gpus_per_group,
+        horizon_s=job.t0_s * job.horizon_factor,
+        seed=seed,
+    )
 
 
 @dataclass(kw_only=True)

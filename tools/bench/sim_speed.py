@@ -13,22 +13,16 @@ import platform
 import time
 from pathlib import Path
 
-from megatron_mecefo.sim.failures import FailureProcess, generate_trace
+from megatron_mecefo.sim.failures import FailureProcess
 from megatron_mecefo.sim.planner import PlanConfig, plan
-from megatron_mecefo.sim.simulator import JobConfig, simulate
+from megatron_mecefo.sim.simulator import JobConfig, simulate, trace_for_job
 from megatron_mecefo.sim.strategies import StrategyConfig
 
 
 def time_one_sim(job: JobConfig, proc: FailureProcess, seed: int) -> dict:
     """Trace generation + one SPARe r=8 simulation, timed separately."""
     t0 = time.perf_counter()
-    trace = generate_trace(
-        proc,
-        num_gpus=job.num_gpus,
-        gpus_per_group=job.gpus_per_group,
-        horizon_s=job.t0_s * job.horizon_factor,
-        seed=seed,
-    )
+    trace = trace_for_job(proc, job, seed)
     t1 = time.perf_counter()
     res = simulate(job, StrategyConfig(name="spare", redundancy=8), trace, system_mtbf_s=300.0)
     t2 = time.perf_counter()

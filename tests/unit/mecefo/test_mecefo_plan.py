@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_mecefo.mecefo.cost import CostModel, microbatch_flops
+from megatron_mecefo.mecefo.cost import LLAMA_350M_SHAPE, CostModel, microbatch_flops
 from megatron_mecefo.mecefo.plan import make_step_plans, neighbor_of, plan_step_times
 
 COST = CostModel()  # FLOP defaults: degraded ~0.73 of an exact micro-batch
@@ -112,11 +112,7 @@ def test_hybrid_is_exact_when_spread_already_fits():
 def test_hybrid_never_slower_than_spread_or_neighbor():
     cost = CostModel.from_flops(
         microbatch_flops(
-            num_layers=24,
-            hidden_size=1024,
-            ffn_hidden_size=2736,
-            seq_length=1024,
-            vocab_size=32000,
+            **LLAMA_350M_SHAPE,
             micro_batch_size=4,
         ),
         step_overhead_fraction=0.2,
@@ -206,20 +202,12 @@ def test_invalid_neighbor_inputs_raise():
 
 def test_cost_model_from_flops_and_measured():
     flops = microbatch_flops(
-        num_layers=24,
-        hidden_size=1024,
-        ffn_hidden_size=2736,
-        seq_length=1024,
-        vocab_size=32000,
+        **LLAMA_350M_SHAPE,
         micro_batch_size=4,
     )
     assert 0.5 < flops.ratio < 0.8  # MeCeFO neighbour: 1 + ratio ~ 1.5-1.75x a normal rank
     off = microbatch_flops(
-        num_layers=24,
-        hidden_size=1024,
-        ffn_hidden_size=2736,
-        seq_length=1024,
-        vocab_size=32000,
+        **LLAMA_350M_SHAPE,
         skip_attention_backward=False,
         recompute_ffn=False,
         lowrank_ffn_grad=False,

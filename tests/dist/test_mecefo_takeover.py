@@ -87,8 +87,8 @@ def _neighbor(step):
 
 
 @pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("demo_data"))
+def demo_dir(demo_data_dir):
+    return demo_data_dir
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,11 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     backend = cfg.backend if cfg.backend != "auto" else ("gloo" if on_cpu else "nccl")
     if backend == "nccl" and on_cpu:
         raise DistributedSetupError("backend 'nccl' needs CUDA; use parallel.backend=gloo on CPU")
+    if on_cpu:
+        device = torch.device("cpu")
+    else:  # NCCL binds communicators to the current device: set it before the group exists
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         _init_default_group(backend, cfg.timeout_s)
     world = dist.get_world_size()
@@ -62,11 +67,6 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
         )
     if on_cpu:
         cpu_compat.apply()
-        device = torch.device("cpu")
-    else:
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,

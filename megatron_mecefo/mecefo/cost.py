@@ -8,6 +8,7 @@ benchmark, or a calibration pass) replace them via `CostModel.from_measured`.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +101,17 @@ class CostModel:
     degraded_microbatch_s: float = DEFAULT_DEGRADED_FRACTION
     """Time of one degraded micro-batch (default: the FLOP ratio at llama-350m shapes)."""
     step_overhead_s: float = 0.0
-    """Fixed per-step time (optimizer step, gradient all-reduce), paid once whatever the load."""
+    """Fixed per-step time (optimizer step, gradient all-reduce), paid once whatever the load. As
+    the intercept of an affine fit over the takeover range (M..2M micro-batches) it may be
+    negative: where step time grows faster than linearly, the chord's intercept is below zero."""
 
     def __post_init__(self) -> None:
         if self.exact_microbatch_s <= 0 or self.degraded_microbatch_s <= 0:
             raise ValueError("micro-batch times must be > 0")
-        if self.step_overhead_s < 0:
-            raise ValueError("step_overhead_s must be >= 0")
+        if not math.isfinite(self.step_overhead_s) or self.step_time(1, 0) <= 0:
+            raise ValueError(
+                "step_overhead_s must be finite and leave a positive one-micro-batch step time"
+            )
 
     def step_time(self, num_exact: int, num_degraded: int = 0) -> float:
         """Predicted step time of a rank running these micro-batches."""

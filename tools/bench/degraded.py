@@ -1,15 +1,16 @@
 """Per-rank step time and peak activation memory of MeCeFO takeover modes, one process at a time.
 
     python tools/bench/degraded.py                                   # CPU: tiny and small
-    python tools/bench/degraded.py --models small --microbatches 8 --reps 5
+    python tools/bench/degraded.py --models small --microbatches 8 --reps 7
     python tools/bench/degraded.py --svd-shapes llama-350m llama-1b  # exact vs randomized SVD cost
     python tools/bench/degraded.py --models llama-350m --num-layers 8 --mbs 4   # GPU (unverified)
 
 For each model: a normal rank (M exact micro-batches), naive Neighbor-Do-Both (2M exact), MeCeFO
 neighbour (2M degraded), and the slowest rank of `spread` and `hybrid` for n = 4, 8, 32 (one dead
-replica; hybrid planned with a cost model measured here). Each scenario runs its real task list
-(forward + backward of every micro-batch + AdamW step) on the real megatron GPTModel; DP
-communication is not included (per-rank compute, as DESIGN.md section 4 prescribes on CPU). Peak
+replica; hybrid planned with a cost model measured here). Each scenario is one real training step
+(`Engine.train_step` with the scenario's task list as its plan: megatron schedule, DDP `main_grad`
+accumulation, megatron AdamW) on a world-1 job over the demo corpus; DP communication is not
+included (per-rank compute, as DESIGN.md section 4 prescribes on CPU). Peak
 activation memory: CPU = bytes autograd saves for one micro-batch (saved-tensor hooks), GPU =
 torch.cuda.max_memory_allocated above the weights. Prints a table and writes JSON.
 """
@@ -47,6 +48,7 @@ def parse_args() -> argparse.Namespace:
         default=0,
         help="also report the degraded gradient error after this many exact steps",
     )
+    p.add_argument("--demo-dir", default=".cache/demo_data", help="embedded demo corpus location")
     p.add_argument("--out", default="bench_out/degraded.json")
     return p.parse_args()
 
@@ -59,8 +61,8 @@ def load_model_cfg(name: str, num_layers: int | None):
     return load_config(ModelConfig, ROOT / "configs" / "model" / f"{name}.yaml", overrides)
 
 
-class Rank:
-    """One rank's model, optimizer and degraded-mode controller, with fixed batches."""
+class BareModel:
+    """A GPTModel + torch AdamW without megatron DDP, for per-parameter `.grad` comparisons."""
 
     def __init__(self, model_cfg, args, device, hooked: bool = True):
         import torch
@@ -104,26 +106,78 @@ class Rank:
         sync()
         return time.perf_counter() - start
 
+
+class EngineRank:
+    """One rank's real training step: `Engine.train_step` (megatron schedule, DDP main_grad
+    accumulation, megatron AdamW) on a world-1 job, running a scenario's task list as its plan."""
+
+    def __init__(self, name: str, args, ctx, hooked: bool = True):
+        from megatron_mecefo.config.loader import load_config
+        from megatron_mecefo.config.run import RunConfig
+        from megatron_mecefo.training.engine import build_engine
+
+        overrides = [
+            f"model={name}",
+            f"data.demo_dir={args.demo_dir}",
+            f"training.micro_batch_size={args.mbs}",
+            f"training.num_microbatches={args.microbatches}",
+            "training.max_steps=100000",
+            "training.eval_interval=0",
+            f"mecefo.enabled={str(hooked).lower()}",
+        ]
+        if args.num_layers:
+            overrides.append(f"model.num_layers={args.num_layers}")
+        cfg = load_config(RunConfig, ROOT / "configs" / "run" / "demo_cpu.yaml", overrides)
+        self.engine = build_engine(cfg, ctx)
+        self.model = self.engine.model
+        self.controller = self.engine.controller
+        self.m = args.microbatches
+        self.model_cfg = cfg.model
+
+    def step(self, degraded_flags: list[bool], step: int = 0) -> float:
+        """One optimizer step running these micro-batch modes; returns seconds."""
+        from megatron_mecefo.training.step_plan import MicroBatchTask, RankStepPlan
+
+        # micro-batches beyond M are another replica's, as in a takeover
+        tasks = tuple(
+            MicroBatchTask(i // self.m, i % self.m, flag) for i, flag in enumerate(degraded_flags)
+        )
+        replicas = -(-len(tasks) // self.m)
+        plan = RankStepPlan(tasks=tasks, num_replicas=replicas, microbatches_per_replica=self.m)
+        sync()
+        start = time.perf_counter()
+        self.engine.train_step(step, plan)
+        sync()
+        return time.perf_counter() - start
+
     def peak_activation_bytes(self, degraded: bool) -> int:
+        """CPU: bytes autograd saves for one micro-batch; GPU: peak allocation above weights."""
         import torch
 
         from megatron_mecefo.mecefo.memory import saved_bytes_per_layer
 
-        tokens, pos, labels = self.batch
-        if torch.cuda.is_available():
-            sync()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            self.micro_batch(degraded)
-            sync()
-            peak = torch.cuda.max_memory_allocated() - base
-            self.optimizer.zero_grad(set_to_none=True)
-            return int(peak)
-        if self.controller.enabled:
+        batch = self.engine.train_sampler.get(0, 0, 0)
+        dev = self.engine.ctx.device
+        args = (batch["tokens"].to(dev), batch["position_ids"].to(dev))
+        if self.controller is not None:
             self.controller.set_degraded(degraded)
-        with saved_bytes_per_layer(list(self.model.decoder.layers)) as saved:
-            self.model(tokens, pos, attention_mask=None, labels=labels).float().mean()
-        return sum(saved.values())
+        try:
+            if torch.cuda.is_available():
+                sync()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                out = self.model(*args, None, labels=batch["labels"].to(dev))
+                sync()
+                peak = torch.cuda.max_memory_allocated() - base
+                del out
+                return int(peak)
+            layers = list(self.model.decoder.layers)
+            with saved_bytes_per_layer(layers) as saved:
+                self.model(*args, None, labels=batch["labels"].to(dev))
+            return sum(saved.values())
+        finally:
+            if self.controller is not None:
+                self.controller.set_degraded(False)
 
 
 def sync() -> None:
@@ -133,57 +187,55 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed(rank: Rank, flags: list[bool], reps: int) -> float:
+def timed(rank: EngineRank, flags: list[bool], reps: int) -> float:
     """Fastest of `reps` steps: on a shared CPU, interference only ever adds time."""
     rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
     return min(rank.step(flags, step=1) for _ in range(reps))
 
 
-def bench_model(name: str, args, device) -> dict:
+def timed_round_robin(rank: EngineRank, scenarios: dict, reps: int) -> dict:
+    """Fastest of `reps` steps per scenario, scenarios interleaved round by round so that slow
+    drift of the machine's speed hits every scenario alike (ratios come from the same rounds)."""
+    for flags in scenarios.values():
+        rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
+    best = {label: float("inf") for label in scenarios}
+    for _ in range(reps):
+        for label, flags in scenarios.items():
+            best[label] = min(best[label], rank.step(flags, step=1))
+    return best
+
+
+def bench_model(name: str, args, ctx) -> dict:
     from megatron_mecefo.mecefo import CostModel, make_step_plans
     from megatron_mecefo.mecefo.plan import plan_step_times
 
-    model_cfg = load_model_cfg(name, args.num_layers)
     m, reps = args.microbatches, args.reps
-    rank = Rank(model_cfg, args, device)
-    # calibration: per-micro-batch costs and the fixed per-step overhead
-    all_exact, all_degraded = timed(rank, [False] * m, reps), timed(rank, [True] * m, reps)
-    half_exact = timed(rank, [False] * (m // 2), reps) if m >= 2 else all_exact
-    overhead = max(0.0, 2 * half_exact - all_exact) if m >= 2 else 0.0
-    cost = CostModel.from_measured(
-        exact_microbatch_s=max(1e-9, (all_exact - overhead) / m),
-        degraded_microbatch_s=max(1e-9, (all_degraded - overhead) / m),
-        step_overhead_s=overhead,
+    rank = EngineRank(name, args, ctx)
+    model_cfg = rank.model_cfg
+    # Calibration over the range takeover plans use (M .. 2M micro-batches): marginal costs are the
+    # chords from M to 2M (exact) and from M exact to M exact + M degraded. Step time is convex in
+    # the load here (2M costs > 2x M), so chords over-estimate loads in between: plans stay safe.
+    calib = timed_round_robin(
+        rank,
+        {"exact": [False] * m, "double": [False] * (2 * m), "mixed": [False] * m + [True] * m},
+        reps,
     )
-    rows = []
-
-    def add(label: str, flags: list[bool], n: int | None = None, predicted: float | None = None):
-        t = timed(rank, flags, reps)
-        mem = max(rank.peak_activation_bytes(f) for f in set(flags))
-        rows.append(
-            {
-                "scenario": label,
-                "n": n,
-                "microbatches": len(flags),
-                "degraded": sum(flags),
-                "step_s": t,
-                "predicted_s": predicted,
-                "peak_activation_bytes": mem,
-            }
-        )
-        print(
-            f"  {label:<18} n={n or '-':<3} mb={len(flags):<3} degr={sum(flags):<3} "
-            f"{t * 1e3:9.1f} ms  act {mem / 2**20:8.2f} MiB",
-            flush=True,
-        )
-
+    exact_mb = max(1e-9, (calib["double"] - calib["exact"]) / m)
+    cost = CostModel.from_measured(
+        exact_microbatch_s=exact_mb,
+        degraded_microbatch_s=max(1e-9, (calib["mixed"] - calib["exact"]) / m),
+        step_overhead_s=calib["exact"] - m * exact_mb,  # the model's normal step = the measured one
+    )
     print(
         f"{name}: {model_cfg.num_layers} layers, d={model_cfg.hidden_size}, "
         f"f={model_cfg.ffn_hidden_size}, s={model_cfg.seq_length}, mbs={args.mbs}, M={m}"
     )
-    add("normal", [False] * m)
-    add("ndb_naive", [False] * (2 * m))
-    add("mecefo_neighbor", [True] * (2 * m))
+    # scenario label -> (flags, n, predicted seconds)
+    scenarios = {
+        "normal": ([False] * m, None, None),
+        "ndb_naive": ([False] * (2 * m), None, None),
+        "mecefo_neighbor": ([True] * (2 * m), None, None),
+    }
     for n in args.replicas:
         alive = list(range(1, n))  # replica 0 dead
         for policy in ("spread", "hybrid"):
@@ -197,23 +249,39 @@ def bench_model(name: str, args, device) -> dict:
             )
             times = plan_step_times(plans, cost)
             slowest = max(times, key=times.get)
-            add(policy, [t.degraded for t in plans[slowest].tasks], n, times[slowest])
+            flags = [t.degraded for t in plans[slowest].tasks]
+            scenarios[f"{policy} n={n}"] = (flags, n, times[slowest])
+    step_s = timed_round_robin(rank, {k: v[0] for k, v in scenarios.items()}, reps)
+    rows = []
+    for label, (flags, n, predicted) in scenarios.items():
+        mem = max(rank.peak_activation_bytes(f) for f in set(flags))
+        rows.append(
+            {
+                "scenario": label.split()[0],
+                "n": n,
+                "microbatches": len(flags),
+                "degraded": sum(flags),
+                "step_s": step_s[label],
+                "predicted_s": predicted,
+                "peak_activation_bytes": mem,
+            }
+        )
     normal = rows[0]["step_s"]
     for row in rows:
         row["ratio"] = row["step_s"] / normal
         row["memory_ratio"] = row["peak_activation_bytes"] / rows[0]["peak_activation_bytes"]
     # exact-mode overhead of the hooks: hooked vs un-hooked model, same task list
-    plain = Rank(model_cfg, args, device, hooked=False)
+    plain = EngineRank(name, args, ctx, hooked=False)
     t_plain = t_hooked = float("inf")
     for _ in range(reps):  # interleaved A/B so drifting load hits both alike
         t_plain = min(t_plain, timed(plain, [False] * m, 1))
         t_hooked = min(t_hooked, timed(rank, [False] * m, 1))
     del plain
-    svd_s = refresh_time(rank)
+    svd_s = refresh_time(rank, rank.engine.cfg.mecefo.tau)
     return {
         "model": name,
         "config": vars(model_cfg),
-        "device": str(device),
+        "device": str(ctx.device),
         "mbs": args.mbs,
         "microbatches": m,
         "cost_model": vars(cost),
@@ -223,20 +291,13 @@ def bench_model(name: str, args, device) -> dict:
     }
 
 
-def refresh_time(rank: Rank) -> float:
-    """Seconds to recompute V of every layer (paid once every tau steps)."""
+def refresh_time(rank: EngineRank, tau: int) -> float:
+    """Seconds to recompute V of every layer (paid by the first degraded step of each tau window):
+    a degraded step that crosses into a new window minus the same step inside it."""
     rank.controller.clear_caches()
-    rank.controller.on_step_start(0)
-    sync()
-    start = time.perf_counter()
-    rank.micro_batch(True)
-    sync()
-    with_svd = time.perf_counter() - start
-    start = time.perf_counter()
-    rank.micro_batch(True)
-    sync()
-    rank.optimizer.zero_grad(set_to_none=True)
-    return max(0.0, with_svd - (time.perf_counter() - start))
+    with_svd = rank.step([True], step=tau)
+    without = min(rank.step([True], step=tau + 1) for _ in range(2))
+    return max(0.0, with_svd - without)
 
 
 def bench_svd(name: str, device) -> list[dict]:
@@ -281,7 +342,7 @@ def grad_error(name: str, args, device, steps: int) -> list[dict]:
     from megatron_mecefo.mecefo import MecefoConfig, install_degraded_mode
 
     model_cfg = load_model_cfg(name, args.num_layers)
-    rank = Rank(model_cfg, args, device, hooked=False)
+    rank = BareModel(model_cfg, args, device, hooked=False)
     gen = torch.Generator().manual_seed(1)
     s = model_cfg.seq_length
     results = []
@@ -366,7 +427,7 @@ def main() -> int:
     )
     report = {"models": [], "svd": [], "grad_error": []}
     for name in models:
-        result = bench_model(name, args, device)
+        result = bench_model(name, args, ctx)
         print_table(result)
         report["models"].append(result)
         if args.grad_error_steps:

@@ -219,3 +219,23 @@ def test_cost_model_from_flops_and_measured():
     assert cost.step_time(4, 2) == pytest.approx(0.05 + 0.8 + 0.2)
     with pytest.raises(ValueError):
         CostModel(exact_microbatch_s=0.0)
+
+
+def test_cost_model_intercept_may_be_negative_but_not_absurd():
+    # a chord fitted over M..2M on a convex cost curve has a negative intercept
+    cost = CostModel.from_measured(
+        exact_microbatch_s=0.165, degraded_microbatch_s=0.12, step_overhead_s=-0.08
+    )
+    assert cost.step_time(8, 0) == pytest.approx(8 * 0.165 - 0.08)
+    plans = make_step_plans(
+        alive=[1, 2, 3], num_replicas=4, num_microbatches=8, policy="hybrid", cost=cost
+    )
+    normal = cost.step_time(8, 0)
+    assert (
+        max(cost.step_time(len(p.tasks) - p.num_degraded, p.num_degraded) for p in plans.values())
+        <= 1.15 * normal + 1e-12
+    )
+    with pytest.raises(ValueError, match="positive one-micro-batch step time"):
+        CostModel.from_measured(
+            exact_microbatch_s=0.1, degraded_microbatch_s=0.05, step_overhead_s=-0.2
+        )

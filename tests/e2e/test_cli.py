@@ -125,3 +125,53 @@ def test_corrupt_idx(tmp_path, demo_dir):
         ]
     )
     _assert_clean_error(proc, 3, "corpus.idx", tmp_path / "r")
+
+
+@pytest.mark.timeout(180)
+def test_preprocess_user_jsonl_then_train(tmp_path):
+    """The documented user path: tools/preprocess_data.py on a JSONL corpus, then train on it."""
+    import random
+
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(3, 8))) for _ in range(300)]
+    with open(tmp_path / "corpus.jsonl", "w") as fh:
+        for _ in range(400):
+            doc = " ".join(rng.choice(words) for _ in range(rng.randint(20, 60)))
+            fh.write(json.dumps({"text": doc}) + "\n")
+    prefix = tmp_path / "my"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/preprocess_data.py",
+            "--input",
+            str(tmp_path / "corpus.jsonl"),
+            "--output-prefix",
+            str(prefix),
+            "--vocab-size",
+            "128",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for suffix in (".bin", ".idx", ".model"):
+        assert (tmp_path / f"my{suffix}").is_file()
+    run_dir = tmp_path / "run"
+    proc = _train(
+        [
+            f"--run-dir={run_dir}",
+            "--max-steps=4",
+            f"data.path={prefix}",
+            f"data.tokenizer_model={prefix}.model",
+            "training.eval_interval=4",
+            "training.warmup_steps=1",
+        ]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["final_val_loss"] is not None
+    assert summary["entropy_floor_nats_per_token"] is None  # only the demo corpus has a floor

@@ -167,6 +167,7 @@ class Engine:
         return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale)
 
     def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> float:
+        """Mean of the micro-batch losses of all DP ranks (a rank may contribute none)."""
         total = torch.tensor(
             [sum(float(o["loss"]) for o in outputs), float(len(outputs))], dtype=torch.float64
         )
@@ -194,12 +195,7 @@ class Engine:
                 micro_batch_size=self.cfg.training.micro_batch_size,
                 forward_only=True,
             )
-        total = torch.tensor(
-            [sum(float(o["loss"]) for o in outputs), float(len(outputs))], dtype=torch.float64
-        )
-        if self.ctx.dp_size > 1:
-            dist.all_reduce(total, group=self.reducer.group)
-        return float(total[0] / total[1])
+        return self._global_mean_loss(outputs)
 
     def close(self) -> None:
         from megatron_mecefo.mcore.parallel import destroy_parallel

@@ -112,27 +112,24 @@ class EngineRank:
     accumulation, megatron AdamW) on a world-1 job, running a scenario's task list as its plan."""
 
     def __init__(self, name: str, args, ctx, hooked: bool = True):
-        from megatron_mecefo.config.loader import load_config
-        from megatron_mecefo.config.run import RunConfig
-        from megatron_mecefo.training.engine import build_engine
+        from bench_engine import build_bench_engine
 
-        overrides = [
-            f"model={name}",
-            f"data.demo_dir={args.demo_dir}",
-            f"training.micro_batch_size={args.mbs}",
-            f"training.num_microbatches={args.microbatches}",
-            "training.max_steps=100000",
-            "training.eval_interval=0",
-            f"mecefo.enabled={str(hooked).lower()}",
-        ]
+        overrides = [f"mecefo.enabled={str(hooked).lower()}"]
         if args.num_layers:
             overrides.append(f"model.num_layers={args.num_layers}")
-        cfg = load_config(RunConfig, ROOT / "configs" / "run" / "demo_cpu.yaml", overrides)
-        self.engine = build_engine(cfg, ctx)
+        self.engine = build_bench_engine(
+            ctx,
+            name,
+            demo_dir=args.demo_dir,
+            micro_batch_size=args.mbs,
+            num_microbatches=args.microbatches,
+            max_steps=100000,
+            overrides=overrides,
+        )
         self.model = self.engine.model
         self.controller = self.engine.controller
         self.m = args.microbatches
-        self.model_cfg = cfg.model
+        self.model_cfg = self.engine.cfg.model
 
     def step(self, degraded_flags: list[bool], step: int = 0) -> float:
         """One optimizer step running these micro-batch modes; returns seconds."""
@@ -221,10 +218,17 @@ def bench_model(name: str, args, ctx) -> dict:
         reps,
     )
     exact_mb = max(1e-9, (calib["double"] - calib["exact"]) / m)
+    degraded_mb = max(1e-9, (calib["mixed"] - calib["exact"]) / m)
+    intercept = calib["exact"] - m * exact_mb  # the model's normal step = the measured one
+    if intercept + exact_mb <= 0:  # noise made the chord absurdly steep (too few --reps)
+        print(
+            f"  warning: noisy calibration (intercept {intercept * 1e3:.1f} ms); using the "
+            "proportional model T = k x per-micro-batch time instead; raise --reps"
+        )
+        exact_mb, intercept = calib["exact"] / m, 0.0
+        degraded_mb = min(degraded_mb, exact_mb)
     cost = CostModel.from_measured(
-        exact_microbatch_s=exact_mb,
-        degraded_microbatch_s=max(1e-9, (calib["mixed"] - calib["exact"]) / m),
-        step_overhead_s=calib["exact"] - m * exact_mb,  # the model's normal step = the measured one
+        exact_microbatch_s=exact_mb, degraded_microbatch_s=degraded_mb, step_overhead_s=intercept
     )
     print(
         f"{name}: {model_cfg.num_layers} layers, d={model_cfg.hidden_size}, "

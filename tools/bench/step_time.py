@@ -18,8 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -49,26 +47,22 @@ def parse_args() -> argparse.Namespace:
 
 
 def bench_model(name: str, args, ctx) -> dict:
-    from megatron_mecefo.config.loader import load_config
-    from megatron_mecefo.config.run import RunConfig
+    from bench_engine import build_bench_engine
+
     from megatron_mecefo.metrics.mfu import mfu, peak_flops
-    from megatron_mecefo.training.engine import build_engine
 
     mbs = args.micro_batch_size or (8 if ctx.on_cpu else 4)
-    overrides = [
-        f"model={name}",
-        f"data.demo_dir={args.demo_dir}",
-        f"training.micro_batch_size={mbs}",
-        f"training.num_microbatches={args.num_microbatches}",
-        f"training.max_steps={args.warmup + args.steps}",
-        "training.eval_interval=0",
-    ]
-    if args.seq_length:
-        overrides.append(f"model.seq_length={args.seq_length}")
-    cfg = load_config(RunConfig, ROOT / "configs/run/demo_cpu.yaml", overrides)
-    if cfg.model.vocab_size < 512:  # the demo tokenizer has 512 pieces
-        cfg.model.vocab_size = 512
-    engine = build_engine(cfg, ctx)
+    overrides = [f"model.seq_length={args.seq_length}"] if args.seq_length else []
+    engine = build_bench_engine(
+        ctx,
+        name,
+        demo_dir=args.demo_dir,
+        micro_batch_size=mbs,
+        num_microbatches=args.num_microbatches,
+        max_steps=args.warmup + args.steps,
+        overrides=overrides,
+    )
+    cfg = engine.cfg
     times = []
     for step in range(args.warmup + args.steps):
         if not ctx.on_cpu:

@@ -23,6 +23,13 @@ class ExitCode(enum.IntEnum):
     """Bad distributed layout (world size vs TP x PP) or a collective failed beyond recovery."""
     CHECKPOINT_ERROR = 5
     """No valid checkpoint or snapshot to resume from."""
+    COORDINATOR_LOST = 6
+    """The failover coordinator died or became unreachable: every rank aborts (no hang)."""
+    REJOIN = 7
+    """This rank left the membership (fenced, or its replica lost a TP peer); the per-node agent
+    restarts it and it rejoins from a live peer's state."""
+    JOB_ABORTED = 8
+    """The coordinator aborted the job: too few replicas left, or no survivor holds the state."""
 
 
 class MecefoError(Exception):
@@ -59,6 +66,24 @@ class QuorumTimeoutError(MecefoError):
     """Survivors did not agree on a new membership in time."""
 
     exit_code = ExitCode.DISTRIBUTED_ERROR
+
+
+class CoordinatorLostError(MecefoError):
+    """The coordinator store cannot be reached."""
+
+    exit_code = ExitCode.COORDINATOR_LOST
+
+
+class FencedError(MecefoError):
+    """This rank is no longer a member (declared dead, or its replica lost a rank)."""
+
+    exit_code = ExitCode.REJOIN
+
+
+class JobAbortedError(MecefoError):
+    """The coordinator aborted the job (quorum lost, no survivor)."""
+
+    exit_code = ExitCode.JOB_ABORTED
 
 
 class CheckpointError(MecefoError):

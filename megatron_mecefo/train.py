@@ -1,6 +1,9 @@
-"""`mecefo-train`: load config, build, train, close. Launch under torchrun for more than one rank.
+"""`mecefo-train`: load config, build, train, close.
 
     mecefo-train --config configs/run/demo_cpu.yaml [--run-dir DIR] [--max-steps N] [key=value ...]
+
+Under `mecefo-launch` (which sets MECEFO_COORDINATOR) the run survives rank deaths: see
+`megatron_mecefo.failover`. Under plain torchrun a rank death ends the job.
 
 A user mistake (bad config, missing data, bad layout) prints one `error: ...` line and exits with
 the code from `megatron_mecefo.errors.ExitCode`; `--dry-run` validates the config without starting.
@@ -11,8 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
-from megatron_mecefo.errors import ExitCode, MecefoError
+from megatron_mecefo.errors import ConfigError, ExitCode, MecefoError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,6 +32,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--run-dir", help="output directory (overrides run_dir)")
     p.add_argument("--max-steps", type=int, help="optimizer steps (overrides training.max_steps)")
+    p.add_argument(
+        "--inject",
+        action="append",
+        metavar="KIND:RANK:STEP[:DOWN_STEPS]",
+        help="inject a real failure (kill | hang | exception | stall) of a global rank at a step; "
+        "repeatable; needs mecefo-launch",
+    )
+    p.add_argument(
+        "--failures",
+        metavar="FILE",
+        help="inject the failures of a scenario (configs/failures/*.yaml); needs mecefo-launch",
+    )
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -56,8 +72,18 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_run_config(args)
     if args.dry_run:
+        _check_injections(args, cfg)
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return ExitCode.OK
+    if os.environ.get("MECEFO_COORDINATOR"):
+        from megatron_mecefo.failover.session import run_with_failover
+
+        return run_with_failover(cfg, args, print)
+    if args.inject or args.failures:
+        raise ConfigError(
+            "--inject/--failures need failover: launch with mecefo-launch "
+            "(launch/local/run.sh), not plain torchrun"
+        )
     from megatron_mecefo.mcore.parallel import init_parallel
     from megatron_mecefo.metrics.logger import MetricsLogger
     from megatron_mecefo.training.engine import build_engine
@@ -96,12 +122,22 @@ def run(args: argparse.Namespace) -> int:
         logger.close()
     if run_dir is not None:
         run_dir.write_summary(summary)
-        _print_summary(summary, cfg.run_dir)
+        print_summary(summary, cfg.run_dir)
     engine.close()
     return ExitCode.OK
 
 
-def _print_summary(summary: dict, run_dir: str) -> None:
+def _check_injections(args: argparse.Namespace, cfg) -> None:
+    """Validate --inject / --failures at dry-run time (the launcher's one-process check)."""
+    from megatron_mecefo.failover import inject
+
+    for text in args.inject or []:
+        inject.parse_inject(text)
+    if args.failures:
+        inject.from_scenario(args.failures, cfg.parallel.tensor_model_parallel_size)
+
+
+def print_summary(summary: dict, run_dir: str) -> None:
     print(
         f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} -> "
         f"{summary['final_loss']:.4f}",
@@ -117,21 +153,56 @@ def _print_summary(summary: dict, run_dir: str) -> None:
         )
     if summary.get("mean_tokens_per_s"):
         print(f"  throughput: {summary['mean_tokens_per_s']:.0f} tokens/s")
+    fo = summary.get("failover")
+    if fo:
+        print(
+            f"  failover: {fo['failures']} failure(s), {fo['rejoins']} rejoin(s), "
+            f"{fo['steps_redone']} step(s) redone, {fo['steps_degraded']} step(s) with degraded "
+            f"micro-batches, samples lost {fo['samples_lost']}, detection ms {fo['detection_ms']}, "
+            f"regroup ms {fo['regroup_ms']}"
+        )
     print(f"  metrics: {run_dir}/metrics.jsonl", flush=True)
+
+
+def _failover_crash_code(exc: Exception, rank: int) -> int:
+    """An unexpected error under failover: a lost coordinator is a clean COORDINATOR_LOST exit,
+    anything else prints its traceback and exits FAILURE (the agent restarts the rank)."""
+    from megatron_mecefo.failover import keys
+
+    try:
+        keys.get_int(keys.connect(os.environ["MECEFO_COORDINATOR"], 2.0), keys.GEN)
+    except Exception:  # noqa: BLE001 - unreachable, whatever the error type
+        print(f"error: rank {rank}: coordinator unreachable ({exc})", file=sys.stderr, flush=True)
+        return int(ExitCode.COORDINATOR_LOST)
+    traceback.print_exception(exc)
+    return int(ExitCode.FAILURE)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    failover = bool(os.environ.get("MECEFO_COORDINATOR"))
     try:
-        return int(run(args))
+        code = int(run(args))
     except MecefoError as exc:
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return int(exc.exit_code)
+        if rank == 0 or failover:
+            who = f"rank {rank}: " if failover else ""
+            print(f"error: {who}{exc}", file=sys.stderr, flush=True)
+        code = int(exc.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        code = 130
+    except Exception as exc:
+        if not failover:
+            raise
+        code = _failover_crash_code(exc, rank)
+    if failover:
+        # Abandoned collectives of dead generations may still hold gloo/NCCL threads; never let
+        # interpreter teardown wait on them.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_mecefo.data.config import DataConfig
+from megatron_mecefo.failover.config import FailoverConfig
 from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
 from megatron_mecefo.mecefo.config import MecefoConfig
 from megatron_mecefo.metrics.config import LoggingConfig
@@ -31,6 +32,8 @@ class RunConfig:
     """Metric sinks."""
     mecefo: MecefoConfig = dataclasses.field(default_factory=MecefoConfig)
     """MeCeFO degraded-mode switches and takeover policy."""
+    failover: FailoverConfig = dataclasses.field(default_factory=FailoverConfig)
+    """Heartbeats, timeouts and auditing of the failover manager (active under mecefo-launch)."""
 
     def __post_init__(self) -> None:
         if not self.run_dir:

@@ -106,3 +106,12 @@ def build_gpt_model(cfg: ModelConfig, *, tp_size: int = 1, bf16: bool = False):
 
         model = Float16Module(tcfg, model)
     return model, tcfg, spec_name
+
+
+def preload_megatron() -> None:
+    """Import the megatron-core modules a training run uses (a warm spare pays this up front)."""
+    import megatron.core.distributed  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401

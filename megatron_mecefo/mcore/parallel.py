@@ -114,3 +114,26 @@ def destroy_parallel() -> None:
         ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def rng_states() -> dict:
+    """Every RNG a training step draws from: torch CPU, CUDA (on GPU) and megatron's tracker."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    states = {
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()},
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    """Inverse of `rng_states`."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    torch.set_rng_state(states["torch"])
+    get_cuda_rng_tracker().set_states({k: v.clone() for k, v in states["tracker"].items()})
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])

@@ -3,7 +3,8 @@
 Megatron's DDP binds its DP group and `1/dp` scaling at construction. Instead of rebuilding it on
 every membership change, `PlanGradReducer` is installed as `finalize_model_grads_func`: it scales
 the contiguous grad buffers per parameter (ordinary 1/n, attention/input-norm `masked_scale`)
-before ONE SUM all-reduce per buffer on whatever DP group the current generation uses.
+before ONE SUM all-reduce per buffer over the current `Membership` (failover swaps its group and
+makes the collective abortable; a failed reduction is recorded there and decided at the commit).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_mecefo.training.config import TrainingConfig
 
@@ -83,18 +83,18 @@ class PlanGradReducer:
 
     Args:
         ddp: the megatron DDP module whose `buffers` hold contiguous `grad_data`.
-        group: the DP process group of the current membership generation.
+        membership: the DP membership (its `all_reduce` runs on the current generation's group).
         is_masked_param: name -> True for attention / input-norm params (masked averaging).
     """
 
     def __init__(
         self,
         ddp,
-        group: dist.ProcessGroup | None,
+        membership,
         is_masked_param: Callable[[str], bool] | None = None,
     ):
         self.ddp = ddp
-        self.group = group
+        self.membership = membership
         self.grad_scale = 1.0
         self.attention_grad_scale = 1.0
         self._masks = self._build_masks(ddp, is_masked_param) if is_masked_param else None
@@ -130,8 +130,8 @@ class PlanGradReducer:
             else:
                 scale = torch.where(mask, self.attention_grad_scale, self.grad_scale)
                 grad.mul_(scale.to(grad.dtype))
-            if self.group is not None and dist.get_world_size(self.group) > 1:
-                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.group)
+            if not self.membership.all_reduce(grad):
+                return  # recorded in membership.failed; the commit vote discards this step
 
 
 def install_grad_reducer(ddp, tcfg, reducer: PlanGradReducer) -> None:

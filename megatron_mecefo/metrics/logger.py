@@ -1,13 +1,14 @@
-"""Rank-0 metrics logger: fans records out to the sinks, drives the progress bar, and the event log.
+"""Rank-0 metrics logger: fans per-step records out to the sinks and drives the progress bar.
 
-`metrics.jsonl` holds one object per logged step; `events.jsonl` one object per failure-handling
-event (the failover manager of a later stage writes those; the simulator replays them).
+`metrics.jsonl` holds one object per logged step. Failure-handling events are not logged here:
+`events.jsonl` is written by a separate process through
+`megatron_mecefo.metrics.events.EventWriter`, which owns that schema (the simulator replays it).
 """
 
 from __future__ import annotations
 
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,12 @@ from megatron_mecefo.metrics.sinks import JsonlSink, MetricSink, TensorBoardSink
 
 
 class MetricsLogger:
-    """Collects per-step metrics on rank 0. On other ranks every method is a no-op."""
+    """Collects per-step metrics on rank 0. On other ranks every method is a no-op.
+
+    Under failover the writing rank changes when the leader dies: every candidate gets a logger
+    with `writer` (is this process the leader now?); sinks open, in append mode, on the first
+    record it writes.
+    """
 
     def __init__(
         self,
@@ -27,17 +33,37 @@ class MetricsLogger:
         total_steps: int,
         start_step: int = 0,
         run_config: dict[str, Any] | None = None,
+        writer: Callable[[], bool] | None = None,
     ):
         self.cfg = cfg
-        self.enabled = enabled
+        self._enabled = enabled
+        self._writer = writer
         self.run_dir = Path(run_dir)
         self._sinks: list[MetricSink] = []
-        self._events: JsonlSink | None = None
         self._bar = None
-        if not enabled:
-            return
+        self._opened = False
+        self._run_config = run_config
+        if enabled and writer is None:
+            self._open_sinks()
+            if cfg.progress_bar and sys.stderr.isatty():
+                from tqdm import tqdm
+
+                self._bar = tqdm(
+                    total=total_steps, initial=start_step, unit="step", dynamic_ncols=True
+                )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this process writes now."""
+        active = self._enabled and (self._writer is None or self._writer())
+        if active and not self._opened:
+            self._open_sinks()
+        return active
+
+    def _open_sinks(self) -> None:
+        cfg, run_config = self.cfg, self._run_config
+        self._opened = True
         self._sinks.append(JsonlSink(self.run_dir / "metrics.jsonl"))
-        self._events = JsonlSink(self.run_dir / "events.jsonl")
         if cfg.tensorboard:
             self._sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
         if cfg.wandb:
@@ -49,10 +75,6 @@ class MetricsLogger:
                     config=run_config or {},
                 )
             )
-        if cfg.progress_bar and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Record one step (`step` key required)."""
@@ -72,11 +94,6 @@ class MetricsLogger:
         ):
             self.print(_format_line(record))
 
-    def log_event(self, event_type: str, **fields: Any) -> None:
-        """Append a failure-handling event (`type`, `time_s` added) to events.jsonl."""
-        if self._events is not None:
-            self._events.write({"type": event_type, "time_s": time.time(), **fields})
-
     def print(self, line: str) -> None:
         if not self.enabled:
             return
@@ -90,9 +107,7 @@ class MetricsLogger:
             self._bar.close()
         for sink in self._sinks:
             sink.close()
-        if self._events is not None:
-            self._events.close()
-        self._sinks, self._events, self._bar = [], None, None
+        self._sinks, self._bar = [], None
 
 
 def _format_line(record: dict[str, Any]) -> str:

@@ -1,86 +1,23 @@
-"""The `events.jsonl` schema written by real runs, and its replay as a simulator trace.
+"""Replay of a real run's `events.jsonl` as a simulator trace.
 
-One JSON object per line. Required fields:
-  type     one of failure, detection, regroup, takeover, rejoin, restart, checkpoint
-  step     training step at which the event happened (int >= 0)
-  dp_rank  DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint)
-  time_s   seconds since the run started (float >= 0)
-Optional: generation (int), latency_s (float), detail (str); other keys are kept but ignored.
-Only failure and rejoin events shape the replayed trace; the rest are reported as measured
-latencies.
+The schema (`Event`, `EVENT_TYPES`) and its reader (`read_events`) belong to the writer, in
+`megatron_mecefo.metrics.events`; they are re-exported here for the simulator. Only failure and
+rejoin events shape the replayed trace: each failure of a DP rank is a failure of that group, and
+its repair time runs until that rank's next rejoin (forever if none). Detection and regroup events
+are reported as measured latencies (the event's own `latency_ms` when it carries one, else the
+time since the failure).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-from megatron_mecefo.errors import ConfigError
+from megatron_mecefo.metrics.events import EVENT_TYPES, Event, read_events
 from megatron_mecefo.sim.failures import FailureTrace
 
-EVENT_TYPES = ("failure", "detection", "regroup", "takeover", "rejoin", "restart", "checkpoint")
-
-
-@dataclass(kw_only=True)
-class Event:
-    """One line of events.jsonl."""
-
-    type: str
-    """Event type (see EVENT_TYPES)."""
-    step: int
-    """Training step."""
-    dp_rank: int | None
-    """DP rank concerned, or None for job-wide events."""
-    time_s: float
-    """Seconds since the run started."""
-    extra: dict = field(default_factory=dict)
-    """Other fields (generation, latency_s, detail, ...)."""
-
-
-def _parse_line(text: str, where: str) -> Event:
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(obj, dict):
-        raise ConfigError(f"{where}: each line must be a JSON object")
-    missing = [k for k in ("type", "step", "dp_rank", "time_s") if k not in obj]
-    if missing:
-        raise ConfigError(f"{where}: missing field(s) {', '.join(missing)}")
-    kind, step, rank, time_s = (
-        obj.pop("type"),
-        obj.pop("step"),
-        obj.pop("dp_rank"),
-        obj.pop("time_s"),
-    )
-    if kind not in EVENT_TYPES:
-        raise ConfigError(f"{where}: unknown type {kind!r} (allowed: {', '.join(EVENT_TYPES)})")
-    if not isinstance(step, int) or step < 0:
-        raise ConfigError(f"{where}: step must be an integer >= 0, got {step!r}")
-    if rank is not None and (not isinstance(rank, int) or rank < 0):
-        raise ConfigError(f"{where}: dp_rank must be an integer >= 0 or null, got {rank!r}")
-    if not isinstance(time_s, (int, float)) or time_s < 0:
-        raise ConfigError(f"{where}: time_s must be a number >= 0, got {time_s!r}")
-    if kind in ("failure", "rejoin") and rank is None:
-        raise ConfigError(f"{where}: a {kind} event needs a dp_rank")
-    return Event(type=kind, step=step, dp_rank=rank, time_s=float(time_s), extra=obj)
-
-
-def read_events(path: str | os.PathLike) -> list[Event]:
-    """Parse and validate an events.jsonl file (blank lines are skipped)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"events file not found: {p}")
-    events = []
-    for n, line in enumerate(p.read_text().splitlines(), start=1):
-        if line.strip():
-            events.append(_parse_line(line, f"{p}:{n}"))
-    return sorted(events, key=lambda e: e.time_s)
+__all__ = ["EVENT_TYPES", "Event", "events_to_trace", "measured_latencies", "read_events"]
 
 
 def events_to_trace(events: list[Event], *, horizon_s: float = math.inf) -> FailureTrace:
@@ -105,13 +42,21 @@ def events_to_trace(events: list[Event], *, horizon_s: float = math.inf) -> Fail
 
 
 def measured_latencies(events: list[Event]) -> dict[str, float]:
-    """Mean failure->detection and failure->regroup latencies (s) observed in the run."""
+    """Mean failure->detection and failure->regroup latencies (s) observed in the run.
+
+    For each failure, the next detection (regroup) event counts: its `latency_ms` if it carries
+    one, else its `time_s` minus the failure's.
+    """
     out: dict[str, list[float]] = {"detection_s": [], "regroup_s": []}
     for i, ev in enumerate(events):
         if ev.type != "failure":
             continue
         for kind, key in (("detection", "detection_s"), ("regroup", "regroup_s")):
             nxt = next((e for e in events[i + 1 :] if e.type == kind), None)
-            if nxt is not None:
+            if nxt is None:
+                continue
+            if nxt.latency_ms is not None:
+                out[key].append(nxt.latency_ms / 1000.0)
+            else:
                 out[key].append(nxt.time_s - ev.time_s)
     return {k: float(np.mean(v)) for k, v in out.items() if v}

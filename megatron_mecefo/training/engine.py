@@ -2,27 +2,31 @@
 
 `train_step(step, plan)` is the whole step, readable top to bottom: set LR, refresh low-rank bases,
 zero grads, run the plan's micro-batches through megatron's schedule (each in its own mode), reduce
-gradients with the plan's scaling, optimizer step. Failover (a later stage) only changes the plan
-and the DP group; the step itself never branches on failures.
+gradients with the plan's scaling, ask the commit vote, optimizer step. Failover changes only the
+plan, the `membership` (generation, group) and the `commit_vote`; the step never branches on
+failures. A step that is not committed leaves the model untouched and is redone by the loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.data import DataBundle, MicroBatchSampler, check_vocab, prepare_data
+from megatron_mecefo.failover.membership import Membership
 from megatron_mecefo.mcore import stack
 from megatron_mecefo.mcore.model import build_gpt_model
 from megatron_mecefo.mcore.parallel import ParallelContext, init_parallel, seed_everything
+from megatron_mecefo.mecefo import install_degraded_mode
+from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 from megatron_mecefo.training.lr_schedule import lr_at
-from megatron_mecefo.training.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 
 
 @dataclasses.dataclass
@@ -40,6 +44,15 @@ class StepResult:
     step_time_s: float
     updated: bool
     """False when the optimizer skipped the update (non-finite grads)."""
+    committed: bool = True
+    """False when the commit vote rejected the step: no update was applied, redo it."""
+    global_microbatches: int = 0
+    """Micro-batches the whole group ran this step (n x M when nothing was lost)."""
+
+
+def local_commit(step: int, ok: bool) -> bool:
+    """Commit vote without failover: commit iff this rank's collectives succeeded."""
+    return ok
 
 
 class Engine:
@@ -56,6 +69,7 @@ class Engine:
         data: DataBundle,
         controller,
         reducer: stack.PlanGradReducer,
+        membership: Membership,
     ):
         self.cfg = cfg
         self.ctx = ctx
@@ -66,12 +80,16 @@ class Engine:
         self.data = data
         self.controller = controller
         self.reducer = reducer
+        self.membership = membership
+        self.commit_vote: Callable[[int, bool], bool] = local_commit
+        """(step, this rank's reduction succeeded) -> apply the update? Failover installs its
+        vote here; it must return the same answer on every member."""
         tc = cfg.training
         self.train_sampler = MicroBatchSampler(
             data.train,
             micro_batch_size=tc.micro_batch_size,
             num_microbatches=tc.num_microbatches,
-            num_replicas=ctx.dp_size,
+            num_replicas=membership.num_replicas,
         )
         self.valid_sampler = MicroBatchSampler(
             data.valid,
@@ -83,13 +101,16 @@ class Engine:
     # ------------------------------------------------------------------ plans
     def default_plan(self) -> RankStepPlan:
         """Failure-free plan: this rank's own micro-batches, exact."""
-        return failure_free_plan(
-            self.ctx.dp_rank, self.ctx.dp_size, self.cfg.training.num_microbatches
-        )
+        m = self.membership
+        return failure_free_plan(m.replica, m.num_replicas, self.cfg.training.num_microbatches)
 
     # ------------------------------------------------------------------ step
     def train_step(self, step: int, plan: RankStepPlan | None = None) -> StepResult:
-        """One optimizer step following `plan` (all ranks of the DP group call this together)."""
+        """One optimizer step following `plan` (all members call this together).
+
+        The update is applied only if `commit_vote` agrees; otherwise gradients are discarded and
+        the result has `committed=False` (the loop redoes the step under a new plan).
+        """
         plan = plan or self.default_plan()
         if not plan.tasks:
             raise ValueError("a rank's step plan must contain at least one micro-batch")
@@ -97,8 +118,8 @@ class Engine:
         start = time.perf_counter()
         lr = lr_at(step, tc)
         stack.set_lr(self.optimizer, lr)
-        if self.controller is not None:
-            self.controller.on_step_start(step)
+        self.controller.on_step_start(step)
+        self.membership.collectives.reset()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
@@ -116,10 +137,15 @@ class Engine:
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=tc.micro_batch_size,
         )
-        updated, grad_norm, _ = self.optimizer.step()
-        if self.controller is not None:
-            self.controller.set_degraded(False)
-        loss = self._global_mean_loss(outputs)
+        self.controller.set_degraded(False)
+        loss, global_micro = self._global_mean_loss(outputs)
+        committed = self.commit_vote(step, self.membership.failed is None)
+        updated, grad_norm = False, 0.0
+        if committed:
+            updated, grad_norm, _ = self.optimizer.step()
+        else:
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
         tokens = len(plan.tasks) * tc.micro_batch_size * self.cfg.model.seq_length
         global_tokens = (
             plan.num_replicas
@@ -136,6 +162,8 @@ class Engine:
             global_tokens=global_tokens,
             step_time_s=time.perf_counter() - start,
             updated=bool(updated),
+            committed=committed,
+            global_microbatches=global_micro,
         )
 
     def _sampler_for(self, plan: RankStepPlan) -> MicroBatchSampler:
@@ -156,8 +184,7 @@ class Engine:
         """megatron forward_step_func: one micro-batch in the mode its task asks for."""
         task: MicroBatchTask = next(data_iterator)
         batch = sampler.get(step, task.source_dp_rank, task.micro_index)
-        if self.controller is not None:
-            self.controller.set_degraded(task.degraded)
+        self.controller.set_degraded(task.degraded)
         device = self.ctx.device
         tokens = batch["tokens"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)
@@ -166,21 +193,28 @@ class Engine:
         output = model(tokens, position_ids, None, labels=labels)
         return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale)
 
-    def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> float:
-        """Mean of the micro-batch losses of all DP ranks (a rank may contribute none)."""
+    def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
+        """(mean of the micro-batch losses of all members, micro-batches they ran in total).
+
+        A member may contribute none. NaN if the reduction failed (the step will not commit).
+        """
         total = torch.tensor(
             [sum(float(o["loss"]) for o in outputs), float(len(outputs))], dtype=torch.float64
         )
-        if self.ctx.dp_size > 1:
-            dist.all_reduce(total, group=self.reducer.group)
-        return float(total[0] / total[1])
+        if not self.membership.all_reduce(total):
+            return math.nan, 0
+        return float(total[0] / max(float(total[1]), 1.0)), int(total[1])
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean validation loss over a fixed set of micro-batches, split across DP ranks."""
+        """Mean validation loss over a fixed set of micro-batches, split across the members.
+
+        NaN if a member was lost during evaluation (nothing is updated by it).
+        """
         num = self.cfg.training.eval_microbatches
-        mine = [MicroBatchTask(0, i) for i in range(self.ctx.dp_rank, num, self.ctx.dp_size)]
+        m = self.membership
+        mine = [MicroBatchTask(0, i) for i in range(m.position, num, m.size)]
         outputs = []
         if mine:
             fwd = functools.partial(
@@ -195,7 +229,8 @@ class Engine:
                 micro_batch_size=self.cfg.training.micro_batch_size,
                 forward_only=True,
             )
-        return self._global_mean_loss(outputs)
+        self.membership.collectives.reset()
+        return self._global_mean_loss(outputs)[0]
 
     def close(self) -> None:
         from megatron_mecefo.mcore.parallel import destroy_parallel
@@ -218,18 +253,38 @@ def resolve_bf16(cfg: RunConfig, ctx: ParallelContext) -> bool:
     return precision == "bf16"
 
 
-def build_engine(cfg: RunConfig, ctx: ParallelContext | None = None, *, log: Any = None) -> Engine:
-    """Initialise distributed state (if not given) and build every component of a run."""
+def build_engine(
+    cfg: RunConfig,
+    ctx: ParallelContext | None = None,
+    *,
+    log: Any = None,
+    membership: Membership | None = None,
+    data_rank: int | None = None,
+    data_barrier: Callable[[], None] | None = None,
+) -> Engine:
+    """Initialise distributed state (if not given) and build every component of a run.
+
+    Args:
+        cfg: the run config.
+        ctx: the TP layout (initialised from `cfg.parallel` if None).
+        log: called with one-line progress messages.
+        membership: the DP membership; default: static, megatron's DP group. Failover passes its
+            own (megatron then sees one replica; cross-replica traffic is the membership's).
+        data_rank, data_barrier: who builds the data and how ranks wait for it (default: the
+            global rank and `ctx.barrier`; failover passes store-based ones across replicas).
+    """
     ctx = ctx or init_parallel(cfg.parallel)
+    membership = membership or Membership.static(ctx.dp_rank, ctx.dp_size, ctx.dp_group)
     tc = cfg.training
+    n = membership.num_replicas
     data = prepare_data(
         cfg.data,
         seq_length=cfg.model.seq_length,
-        num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * ctx.dp_size,
+        num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * n,
         num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
         seed=tc.seed,
-        rank=ctx.rank,
-        barrier=ctx.barrier,
+        rank=ctx.rank if data_rank is None else data_rank,
+        barrier=data_barrier or ctx.barrier,
     )
     check_vocab(data.tokenizer.vocab_size, cfg.model.vocab_size)
     seed_everything(tc.seed)
@@ -237,21 +292,15 @@ def build_engine(cfg: RunConfig, ctx: ParallelContext | None = None, *, log: Any
     model, tcfg, spec_name = build_gpt_model(cfg.model, tp_size=ctx.tp_size, bf16=bf16)
     if not ctx.on_cpu:
         model = model.cuda()
-    controller = None
-    if cfg.mecefo.enabled:
-        from megatron_mecefo.mecefo import install_degraded_mode
-
-        controller = install_degraded_mode(model, cfg.mecefo)
+    controller = install_degraded_mode(model, cfg.mecefo)  # disabled: installs nothing
     ddp = stack.wrap_ddp(model, tcfg)
     optimizer = stack.build_optimizer(ddp, tc, bf16=bf16)
-    reducer = stack.PlanGradReducer(
-        ddp, ctx.dp_group, controller.is_masked_param if controller is not None else None
-    )
+    reducer = stack.PlanGradReducer(ddp, membership, controller.is_masked_param)
     stack.install_grad_reducer(ddp, tcfg, reducer)
     if log is not None:
         log(
             f"model {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M params, "
             f"spec={spec_name}, {'bf16' if bf16 else 'fp32'}, "
-            f"DP={ctx.dp_size} TP={ctx.tp_size}, backend={ctx.backend}"
+            f"DP={membership.num_replicas} TP={ctx.tp_size}, backend={ctx.backend}"
         )
-    return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer)
+    return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer, membership)

@@ -1,11 +1,15 @@
-"""Hook points of the training loop. The failover manager (a later stage) is a hook: it supplies
-each step's plan and reacts to step results; the loop itself knows nothing about failures."""
+"""Hook points of the training loop.
+
+Hooks supply each step's plan and observe results. Failover uses them for the plan, but it is more
+than a hook: it also owns the engine's `membership` (group, generation) and `commit_vote`, and it
+joins before the loop starts (see `megatron_mecefo.failover.manager`).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from megatron_mecefo.training.step_plan import RankStepPlan
+from megatron_mecefo.plan.step_plan import RankStepPlan
 
 
 class TrainHook:
@@ -16,7 +20,11 @@ class TrainHook:
         return None
 
     def after_step(self, engine: Any, result: Any, record: dict[str, Any]) -> None:
-        """Called on every rank after a step; `record` is the metrics row (may be extended)."""
+        """Called on every rank after a committed step; `record` is the metrics row (may be
+        extended)."""
+
+    def on_step_aborted(self, engine: Any, result: Any) -> None:
+        """Called on every member when a step was not committed; the loop redoes it next."""
 
     def on_train_end(self, engine: Any, summary: dict[str, Any]) -> None:
         """Called once after the last step."""

@@ -1,4 +1,8 @@
-"""The training loop: plan -> step -> (eval) -> log, with hooks. Nothing else lives here."""
+"""The training loop: plan -> step -> (eval) -> log, with hooks. Nothing else lives here.
+
+A step whose update was not committed (a member was lost mid-step) is redone here, under the plan
+the hooks give for the new membership; that is the loop's only reaction to failures.
+"""
 
 from __future__ import annotations
 
@@ -20,9 +24,14 @@ def train(
     peak = peak_flops(_device_name(engine))
     flops_per_token = engine.cfg.model.flops_per_token()
     losses, val_losses, tok_rates = [], [], []
-    for step in range(start_step, tc.max_steps):
+    step = start_step
+    while step < tc.max_steps:
         plan = next((p for h in hooks if (p := h.plan_for_step(engine, step)) is not None), None)
         result = engine.train_step(step, plan)
+        if not result.committed:
+            for hook in hooks:
+                hook.on_step_aborted(engine, result)
+            continue
         tokens_per_s = result.global_tokens / max(result.step_time_s, 1e-9)
         record: dict[str, Any] = {
             "step": step,
@@ -48,6 +57,7 @@ def train(
             tok_rates.append(tokens_per_s)
         if not math.isfinite(result.loss):
             logger.print(f"warning: non-finite loss at step {step}")
+        step += 1
     summary = {
         "steps": len(losses),
         "first_loss": losses[0] if losses else None,

@@ -31,7 +31,7 @@ APPROX_OFF = [
 def _worker(rank, demo_dir, overrides, steps, world, window, policy_in_window):
     from megatron_mecefo.config.loader import load_config
     from megatron_mecefo.config.run import RunConfig
-    from megatron_mecefo.mecefo import CostModel, make_step_plans
+    from megatron_mecefo.plan import CostModel, make_step_plans
     from megatron_mecefo.training.engine import build_engine
 
     # Same train-sample count in every layout (the dataset index depends on it): steps x N replicas.

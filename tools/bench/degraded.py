@@ -133,7 +133,7 @@ class EngineRank:
 
     def step(self, degraded_flags: list[bool], step: int = 0) -> float:
         """One optimizer step running these micro-batch modes; returns seconds."""
-        from megatron_mecefo.training.step_plan import MicroBatchTask, RankStepPlan
+        from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
 
         # micro-batches beyond M are another replica's, as in a takeover
         tasks = tuple(
@@ -203,8 +203,8 @@ def timed_round_robin(rank: EngineRank, scenarios: dict, reps: int) -> dict:
 
 
 def bench_model(name: str, args, ctx) -> dict:
-    from megatron_mecefo.mecefo import CostModel, make_step_plans
-    from megatron_mecefo.mecefo.plan import plan_step_times
+    from megatron_mecefo.plan import CostModel, make_step_plans
+    from megatron_mecefo.plan.takeover import plan_step_times
 
     m, reps = args.microbatches, args.reps
     rank = EngineRank(name, args, ctx)

@@ -56,11 +56,13 @@ def test_injections_become_a_trace():
 def test_events_example_replay():
     evs = events.read_events(DATA / "events_example.jsonl")
     assert len(evs) == 10
+    assert evs[1].detail == "SIGKILL" and evs[1].generation == 0 and evs[2].latency_ms == 900.0
     tr = events.events_to_trace(evs)
     assert tr.groups.tolist() == [2, 0]
     assert tr.repair_s[0] == pytest.approx(152.0 - 61.5) and math.isinf(tr.repair_s[1])
     lat = events.measured_latencies(evs)
     assert lat["detection_s"] == pytest.approx((0.9 + 3.0) / 2)
+    assert lat["regroup_s"] == pytest.approx((1.4 + 3.6) / 2)
     job = JobConfig(num_gpus=8, gpus_per_group=1, num_steps=100, step_time_s=5.0, restart_s=30.0)
     neighbor = simulate(job, StrategyConfig(name="mecefo", takeover_policy="neighbor"), tr)
     ckpt = simulate(job, StrategyConfig(name="ckpt", checkpoint_interval_s=100.0), tr)
@@ -76,4 +78,14 @@ def test_bad_events(tmp_path):
         events.read_events(f)
     f.write_text('{"type": "explode", "step": 1, "dp_rank": 0, "time_s": 1.0}\n')
     with pytest.raises(ConfigError, match="unknown type"):
+        events.read_events(f)
+    f.write_text(
+        '{"type": "detection", "step": 1, "dp_rank": 0, "time_s": 1.0, "generation": -1}\n'
+    )
+    with pytest.raises(ConfigError, match=r"events.jsonl:1: generation must be an integer >= 0"):
+        events.read_events(f)
+    f.write_text(
+        '\n{"type": "regroup", "step": 1, "dp_rank": null, "time_s": 1, "latency_ms": "x"}\n'
+    )
+    with pytest.raises(ConfigError, match=r"events.jsonl:2: latency_ms must be a number >= 0"):
         events.read_events(f)

@@ -11,10 +11,10 @@ from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.metrics.config import LoggingConfig
 from megatron_mecefo.metrics.logger import MetricsLogger
 from megatron_mecefo.metrics.mfu import mfu, peak_flops
+from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 from megatron_mecefo.training.config import TrainingConfig
 from megatron_mecefo.training.lr_schedule import lr_at
 from megatron_mecefo.training.run_dir import RunDir
-from megatron_mecefo.training.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 
 
 def test_warmup_then_cosine_to_min():
@@ -47,19 +47,17 @@ def _record(step, **extra):
     }
 
 
-def test_metrics_jsonl_interval_eval_rows_and_events(tmp_path, capsys):
+def test_metrics_jsonl_interval_eval_rows(tmp_path, capsys):
     cfg = LoggingConfig(log_interval=2, print_interval=2, progress_bar=False)
     logger = MetricsLogger(cfg, tmp_path, enabled=True, total_steps=5)
     for step in range(5):
         logger.log_step(_record(step, **({"val_loss": 2.5} if step == 3 else {})))
-    logger.log_event("failure", dp_rank=1, step=3)
     logger.log_step(_record(5, loss=float("nan")))
     logger.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 2, 3, 4]  # every 2nd step, plus the eval row
     assert rows[2]["val_loss"] == 2.5
-    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-    assert events[0]["type"] == "failure" and events[0]["dp_rank"] == 1 and "time_s" in events[0]
+    assert not (tmp_path / "events.jsonl").exists(), "events.jsonl belongs to EventWriter"
     assert "val_loss 2.5000" in capsys.readouterr().out
 
 

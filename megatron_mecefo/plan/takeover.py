@@ -3,7 +3,7 @@
 `make_step_plans` turns (alive set, micro-batches per replica, policy, cost model) into one
 `RankStepPlan` per alive replica. The global batch is unchanged: every (replica, micro-batch) pair
 of the failure-free job is run exactly once by some survivor. Gradient scaling follows the contract
-in `training/step_plan.py`: ordinary grads 1/n, attention/input-norm grads M/E (E = exact micro-
+in `plan/step_plan.py`: ordinary grads 1/n, attention/input-norm grads M/E (E = exact micro-
 batches in the group), which is 1/|N| for MeCeFO's Neighbor-Do-Both.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from megatron_mecefo.mecefo.cost import CostModel
-from megatron_mecefo.training.step_plan import MicroBatchTask, RankStepPlan
+from megatron_mecefo.plan.cost import CostModel
+from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
 
 POLICIES = ("neighbor", "spread", "hybrid")
 

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from megatron_mecefo.mecefo.cost import LLAMA_350M_SHAPE, CostModel, microbatch_flops
-from megatron_mecefo.mecefo.plan import make_step_plans, neighbor_of, plan_step_times
+from megatron_mecefo.plan.cost import LLAMA_350M_SHAPE, CostModel, microbatch_flops
+from megatron_mecefo.plan.takeover import make_step_plans, neighbor_of, plan_step_times
 
 COST = CostModel()  # FLOP defaults: degraded ~0.73 of an exact micro-batch
 

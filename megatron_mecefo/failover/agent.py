@@ -1,0 +1,302 @@
+"""`mecefo-launch`: the per-node agent that replaces torchrun's elastic agent under failover.
+
+    mecefo-launch --nproc-per-node 4 [--nnodes N --node-rank I --coordinator HOST:PORT] \\
+        -- --config configs/run/demo_cpu.yaml [trainer args]
+
+On the head node (node rank 0, no `--coordinator`) it first starts `mecefo-coordinator` in its own
+session, on a free port. It starts the node's ranks with the rendezvous environment and then only
+watches them: it never kills a survivor. A rank that dies is reported to the coordinator at once
+(fast detection), and restarted with the same rank id after `--restart-delay-s` (or, for an
+injected failure with DOWN_STEPS, once the job reached that step) so it can rejoin. A rank the
+coordinator evicts (hung, or fenced) is SIGKILLed first. A rank exiting with a fatal code (bad
+config or data, coordinator lost, job aborted) stops the node with that code. Exit codes:
+`launch/README.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.failover import keys
+
+FATAL = {
+    ExitCode.CONFIG_ERROR,
+    ExitCode.DATA_ERROR,
+    ExitCode.CHECKPOINT_ERROR,
+    ExitCode.COORDINATOR_LOST,
+    ExitCode.JOB_ABORTED,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="mecefo-launch",
+        description="Start this node's trainer ranks under failover (and the coordinator on the "
+        "head node); restart dead ranks so they rejoin.",
+    )
+    p.add_argument("--nproc-per-node", type=int, default=int(env("NPROC", 1)))
+    p.add_argument("--nnodes", type=int, default=int(env("MECEFO_NNODES", 1)))
+    p.add_argument("--node-rank", type=int, default=int(env("MECEFO_NODE_RANK", 0)))
+    p.add_argument(
+        "--coordinator",
+        default=env("MECEFO_COORDINATOR_ADDR"),
+        help="HOST:PORT of a running coordinator; default on node 0: start one",
+    )
+    p.add_argument(
+        "--coordinator-port",
+        type=int,
+        default=int(env("MECEFO_COORDINATOR_PORT", 0)),
+        help="port for the coordinator this agent starts (0: a free one)",
+    )
+    p.add_argument(
+        "--restart-delay-s",
+        type=float,
+        default=float(env("MECEFO_RESTART_DELAY_S", 1.0)),
+        help="seconds before a dead rank is restarted",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=int(env("MECEFO_MAX_RESTARTS", 20)),
+        help="restarts per rank before the agent gives up on it",
+    )
+    p.add_argument(
+        "--warm-spare",
+        action=argparse.BooleanOptionalAction,
+        default=env("MECEFO_WARM_SPARE", "1") == "1",
+        help="keep one pre-imported spare process per node to replace a dead rank quickly",
+    )
+    p.add_argument(
+        "--coordinator-arg",
+        action="append",
+        default=[],
+        help="extra flag for mecefo-coordinator (repeatable), e.g. --coordinator-arg=--grace-s=0.5",
+    )
+    p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then mecefo-train arguments")
+    args = p.parse_args(argv)
+    if args.trainer_args and args.trainer_args[0] == "--":
+        args.trainer_args = args.trainer_args[1:]
+    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        p.error("need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
+    if args.node_rank > 0 and not args.coordinator:
+        p.error("nodes other than 0 need --coordinator HOST:PORT (or MECEFO_COORDINATOR_ADDR)")
+    return args
+
+
+class Agent:
+    """Starts, watches and restarts this node's ranks."""
+
+    def __init__(self, args: argparse.Namespace, address: str):
+        self.args = args
+        self.address = address
+        self.world = args.nnodes * args.nproc_per_node
+        self.ranks = [args.node_rank * args.nproc_per_node + i for i in range(args.nproc_per_node)]
+        self.incarnation = {r: 0 for r in self.ranks}
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.restart_at: dict[int, tuple[float, int]] = {}  # rank -> (not before, job step)
+        self.finished: set[int] = set()
+        self.store = keys.connect(address, 10.0)
+        self.spare: subprocess.Popen | None = None
+
+    def log(self, msg: str) -> None:
+        print(f"[agent {self.args.node_rank}] {msg}", flush=True)
+
+    def _rank_env(self, rank: int) -> dict[str, str]:
+        return {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank - self.ranks[0]),
+            "WORLD_SIZE": str(self.world),
+            "LOCAL_WORLD_SIZE": str(self.args.nproc_per_node),
+            keys.COORDINATOR_ENV: self.address,
+            keys.INCARNATION_ENV: str(self.incarnation[rank]),
+        }
+
+    def spawn(self, rank: int) -> None:
+        """Start `rank`: hand it to the warm spare if one is ready, else a fresh process."""
+        spare, self.spare = self.spare, None
+        if spare is not None and spare.poll() is None:
+            order = {"env": self._rank_env(rank), "args": list(self.args.trainer_args)}
+            spare.stdin.write(json.dumps(order) + "\n")
+            spare.stdin.close()
+            self.procs[rank] = spare
+        else:
+            env = {**os.environ, **self._rank_env(rank)}
+            env.setdefault("OMP_NUM_THREADS", "1")
+            cmd = [sys.executable, "-m", "megatron_mecefo.train", *self.args.trainer_args]
+            self.procs[rank] = subprocess.Popen(cmd, env=env)
+
+    def _start_spare(self) -> None:
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        self.spare = subprocess.Popen(
+            [sys.executable, "-m", "megatron_mecefo.failover.spare"],
+            env=env,
+            stdin=subprocess.PIPE,
+            text=True,
+        )
+
+    def run(self) -> int:
+        self.store.add(keys.AGENTS_ACTIVE, 1)
+        try:
+            for rank in self.ranks:
+                self.spawn(rank)
+            if self.args.warm_spare:
+                self._start_spare()
+            return self._watch()
+        finally:
+            self._stop_children()
+            try:
+                self.store.add(keys.AGENTS_ACTIVE, -1)
+            except Exception:  # noqa: BLE001 - the coordinator may be gone already
+                pass
+
+    def _watch(self) -> int:
+        last_ok = time.monotonic()
+        while len(self.finished) < len(self.ranks):
+            try:
+                code = self._tick()
+                last_ok = time.monotonic()
+            except Exception as exc:  # noqa: BLE001 - store unreachable
+                if time.monotonic() - last_ok > 10.0:
+                    self.log(f"coordinator unreachable ({exc}); stopping this node")
+                    return int(ExitCode.COORDINATOR_LOST)
+                code = None
+            if code is not None:
+                return code
+            time.sleep(0.05)
+        return int(ExitCode.OK)
+
+    def _tick(self) -> int | None:
+        done = self.store.check([keys.DONE])
+        for rank, proc in list(self.procs.items()):
+            rc = proc.poll()
+            if rc is None:
+                self._maybe_evict(rank, proc)
+                continue
+            del self.procs[rank]
+            if rc == 0:
+                self.finished.add(rank)
+                continue
+            if rc in FATAL:
+                self.log(f"rank {rank} exited with {ExitCode(rc).name}; stopping this node")
+                return rc
+            self._on_death(rank, rc, done)
+        for rank, (not_before, step) in list(self.restart_at.items()):
+            if done:
+                del self.restart_at[rank]
+                self.finished.add(rank)
+            elif time.monotonic() >= not_before and keys.get_int(self.store, keys.JOB_STEP) >= step:
+                del self.restart_at[rank]
+                self.incarnation[rank] += 1
+                warm = self.spare is not None and self.spare.poll() is None
+                self.log(
+                    f"restarting rank {rank} (incarnation {self.incarnation[rank]}"
+                    f"{', warm spare' if warm else ''})"
+                )
+                self.spawn(rank)
+                if self.args.warm_spare:
+                    self._start_spare()
+        return None
+
+    def _maybe_evict(self, rank: int, proc: subprocess.Popen) -> None:
+        key = keys.evict(rank)
+        if self.store.check([key]) and int(self.store.get(key)) == self.incarnation[rank]:
+            self.log(f"rank {rank} was evicted by the coordinator; killing it")
+            proc.kill()
+
+    def _on_death(self, rank: int, rc: int, done: bool) -> None:
+        inc = self.incarnation[rank]
+        how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+        keys.report_dead(self.store, rank, inc)
+        if done:
+            self.finished.add(rank)
+            return
+        if inc >= self.args.max_restarts:
+            self.log(f"rank {rank} died ({how}) after {inc} restarts; not restarting it")
+            self.finished.add(rank)
+            return
+        down_key = keys.downtime(rank, inc)
+        step = keys.get_int(self.store, down_key, -1)
+        self.restart_at[rank] = (time.monotonic() + self.args.restart_delay_s, step)
+        when = f"at job step {step}" if step >= 0 else f"in {self.args.restart_delay_s:.1f} s"
+        self.log(f"rank {rank} (incarnation {inc}) died ({how}); restarting it {when}")
+
+    def _stop_children(self) -> None:
+        if self.spare is not None and self.spare.poll() is None:
+            self.spare.stdin.close()  # EOF: the spare exits
+            self.procs[-1] = self.spare
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    """The coordinator in its own session (a signal to the agent's group does not reach it)."""
+    port_file = Path(tempfile.mkdtemp(prefix="mecefo-coord-")) / "port"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.failover.coordinator",
+        "--world-size",
+        str(world),
+        "--port",
+        str(port),
+        "--port-file",
+        str(port_file),
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"error: mecefo-coordinator did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    return proc, int(port_file.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    coordinator = None
+    address = args.coordinator
+    if address is None:
+        world = args.nnodes * args.nproc_per_node
+        coordinator, port = start_coordinator(world, args.coordinator_port, args.coordinator_arg)
+        address = f"127.0.0.1:{port}"
+    agent = Agent(args, address)
+
+    def _terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        code = agent.run()
+    finally:
+        if coordinator is not None:
+            try:
+                coordinator.wait(10)  # it exits once every agent has left
+            except subprocess.TimeoutExpired:
+                coordinator.terminate()
+                coordinator.wait(10)
+    agent.log(f"done (exit {code})")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

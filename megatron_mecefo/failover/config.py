@@ -1,0 +1,45 @@
+"""Trainer-side failover settings (pure dataclass). Coordinator-side detection knobs are flags of
+`mecefo-coordinator` (and `mecefo-launch`), since the coordinator never reads a run config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(kw_only=True)
+class FailoverConfig:
+    """How a trainer takes part in failover when launched by `mecefo-launch`.
+
+    Failover is active only when the process finds a coordinator (`MECEFO_COORDINATOR`, set by
+    `mecefo-launch`); under plain torchrun these settings are ignored and a rank death ends the job.
+    """
+
+    heartbeat_interval_s: float = 0.2
+    """Seconds between heartbeats (a thread independent of the training step)."""
+    coordinator_timeout_s: float = 5.0
+    """A trainer that cannot reach the coordinator for this long exits with COORDINATOR_LOST."""
+    failure_wait_s: float = 3.0
+    """After a collective fails, how long to wait for the coordinator to publish a new membership
+    before redoing the step on the same membership (a transient error)."""
+    regroup_timeout_s: float = 120.0
+    """Give up (DISTRIBUTED_ERROR) if no usable membership forms within this time."""
+    transfer_timeout_s: float = 120.0
+    """Bound on receiving the training state from a live peer when (re)joining."""
+    audit: bool = False
+    """Write every committed (step, source replica, micro-batch) each rank ran to
+    `run_dir/audit/tasks_rank<R>.jsonl` and, at the end, a SHA-256 of each rank's model and
+    optimizer state to `run_dir/audit/state_rank<R>.json` (checks of the no-loss and
+    bitwise-identical-replicas guarantees; cheap, off by default)."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "heartbeat_interval_s",
+            "coordinator_timeout_s",
+            "failure_wait_s",
+            "regroup_timeout_s",
+            "transfer_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"failover.{name} must be > 0, got {getattr(self, name)}")
+        if self.coordinator_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("failover.coordinator_timeout_s must exceed heartbeat_interval_s")

@@ -1,0 +1,442 @@
+"""`mecefo-coordinator`: serves the job's TCPStore and is the single membership authority.
+
+It runs in its own small process (started by `mecefo-launch` on the head node), so no trainer's
+death takes the store down. Every tick it reads heartbeats, death reports and progress markers,
+declares ranks dead (reported exit, heartbeat silence, or a hang: computing a step that the others
+already wait to reduce, for longer than max(floor, factor x step time)), and publishes a new
+*generation* (the alive replicas) after a short grace window, so simultaneous failures land in one
+decision. A replica is alive only if all its TP ranks are. Restarted replicas join the next
+generation once all their ranks have registered. It also writes `events.jsonl` for the run.
+
+Split brain: the coordinator is the only authority. Trainers that lose it exit
+(COORDINATOR_LOST); a replica it removed is fenced (evicted by its agent, then rejoins).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from megatron_mecefo.failover import keys
+from megatron_mecefo.metrics.events import EventWriter
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name, default))
+
+
+@dataclasses.dataclass(kw_only=True)
+class DetectorConfig:
+    """Detection and membership knobs (flags of mecefo-coordinator / mecefo-launch)."""
+
+    heartbeat_timeout_s: float = 1.5
+    """A rank whose heartbeat counter has not moved for this long is dead (SIGKILL, SIGSTOP)."""
+    hang_timeout_floor_s: float = 10.0
+    """Lower bound of the hang timeout (a rank computing while the others wait to reduce)."""
+    hang_timeout_factor: float = 5.0
+    """Hang timeout = max(floor, factor x the job's measured step time)."""
+    grace_s: float = 0.2
+    """After the first detection, wait this long to batch simultaneous failures."""
+    start_timeout_s: float = 600.0
+    """Abort if not every rank registered within this time at start."""
+    min_replicas: int = 1
+    """Abort the job (JOB_ABORTED) if fewer replicas than this would remain."""
+    poll_s: float = 0.02
+    """Tick period."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_timeout_s", "hang_timeout_floor_s", "start_timeout_s", "poll_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.grace_s < 0 or self.hang_timeout_factor <= 0 or self.min_replicas < 1:
+            raise ValueError("grace_s must be >= 0, hang_timeout_factor > 0, min_replicas >= 1")
+
+
+@dataclasses.dataclass
+class _RankState:
+    incarnation: int = -1
+    hb_value: int = -1
+    hb_changed: float = 0.0
+    progress: str = ""
+    progress_changed: float = 0.0
+    evicted_incarnation: int = -1
+
+
+class Coordinator:
+    """The membership authority; `tick()` is one round of detection and decisions."""
+
+    def __init__(self, store, world_size: int, cfg: DetectorConfig, *, log=print):
+        self.store = store
+        self.world = world_size
+        self.cfg = cfg
+        self.log = log
+        self.tp: int | None = None
+        self.gen = 0
+        self.members: tuple[int, ...] = ()
+        self.ranks = {r: _RankState() for r in range(world_size)}
+        self.started = time.monotonic()
+        self.pending: dict[int, tuple[float, str]] = {}  # rank -> (failure epoch, reason)
+        self.first_detection: float | None = None
+        self.job_step = -1
+        self.step_changed = time.monotonic()
+        self.step_time_s: float | None = None
+        self.aborted: str | None = None
+        self.writer: EventWriter | None = None
+        self.next_event = 1
+        self._reg_seq = -1
+        self._dead_seq = -1
+        self.reported: dict[int, tuple[int, float]] = {}  # rank -> (incarnation, failure epoch)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def num_replicas(self) -> int:
+        return self.world // (self.tp or 1)
+
+    def replica_ranks(self, replica: int) -> list[int]:
+        tp = self.tp or 1
+        return list(range(replica * tp, (replica + 1) * tp))
+
+    def _member_ranks(self) -> list[int]:
+        return [r for rep in self.members for r in self.replica_ranks(rep)]
+
+    # ------------------------------------------------------------------ tick
+    def tick(self) -> None:
+        now = time.monotonic()
+        self._read_registrations()
+        self._read_heartbeats(now)
+        if self.aborted or self.store.check([keys.DONE]):
+            self._drain_events()  # finished: exits are not failures any more
+            return
+        if self.gen == 0:
+            self._maybe_form_first_generation(now)
+        else:
+            self._track_job_step(now)
+            self._detect(now)
+            self._read_dead_reports()
+            self._decide(now)
+        self._drain_events()
+
+    def _read_registrations(self) -> None:
+        seq = keys.get_int(self.store, keys.REG_SEQ, 0)
+        if seq == self._reg_seq:
+            return
+        self._reg_seq = seq
+        for rank, st in self.ranks.items():
+            key = keys.registration(rank)
+            if not self.store.check([key]):
+                continue
+            reg = json.loads(self.store.get(key))
+            if reg["incarnation"] != st.incarnation:
+                st.incarnation = reg["incarnation"]
+                st.hb_value, st.hb_changed = -1, time.monotonic()
+            if self.tp is None:
+                self.tp = int(reg["tp"])
+                if self.world % self.tp:
+                    self._abort(f"world size {self.world} is not divisible by TP {self.tp}")
+
+    def _registered(self) -> list[int]:
+        return [r for r, st in self.ranks.items() if st.incarnation >= 0]
+
+    def _read_heartbeats(self, now: float) -> None:
+        ranks = self._registered()
+        if not ranks:
+            return
+        values = self.store.multi_get([keys.heartbeat(r) for r in ranks])
+        progress = self.store.multi_get([keys.progress(r) for r in ranks])
+        for rank, hb, prog in zip(ranks, values, progress):
+            st = self.ranks[rank]
+            value = int(hb.decode())
+            if value != st.hb_value:
+                st.hb_value, st.hb_changed = value, now
+            text = prog.decode()
+            if text != st.progress:
+                st.progress, st.progress_changed = text, now
+
+    def _maybe_form_first_generation(self, now: float) -> None:
+        if len(self._registered()) == self.world and self.tp is not None:
+            self._publish(tuple(range(self.num_replicas)), removed=(), added=(), reason="start")
+        elif now - self.started > self.cfg.start_timeout_s:
+            missing = [r for r in self.ranks if self.ranks[r].incarnation < 0]
+            self._abort(f"ranks {missing} did not register within {self.cfg.start_timeout_s} s")
+
+    def _track_job_step(self, now: float) -> None:
+        steps = [_parse_progress(self.ranks[r].progress)[1] for r in self._member_ranks()]
+        step = max(steps, default=-1)
+        if step > self.job_step:
+            if self.job_step >= 0:
+                dt = (now - self.step_changed) / (step - self.job_step)
+                ema = self.step_time_s
+                self.step_time_s = dt if ema is None else 0.8 * ema + 0.2 * dt
+            self.job_step, self.step_changed = step, now
+            self.store.set(keys.JOB_STEP, str(step))
+
+    def hang_timeout_s(self) -> float:
+        factor = self.cfg.hang_timeout_factor * (self.step_time_s or 0.0)
+        return max(self.cfg.hang_timeout_floor_s, factor)
+
+    # ------------------------------------------------------------------ detection
+    def _detect(self, now: float) -> None:
+        self._read_dead_reports()
+        member_ranks = self._member_ranks()
+        progress = {r: _parse_progress(self.ranks[r].progress) for r in member_ranks}
+        for rank in member_ranks:
+            if rank in self.pending:
+                continue
+            st = self.ranks[rank]
+            reason = None
+            failed_at = time.time()
+            inc, epoch = self.reported.get(rank, (-1, 0.0))
+            if inc == st.incarnation:
+                reason, failed_at = "process exited", epoch
+            if reason is None and now - st.hb_changed > self.cfg.heartbeat_timeout_s:
+                reason = f"no heartbeat for {now - st.hb_changed:.1f} s"
+                failed_at -= now - st.hb_changed
+            if reason is None and self._is_hung(rank, progress, now):
+                reason = f"hung in step {progress[rank][1]} for {now - st.progress_changed:.1f} s"
+                failed_at -= now - st.progress_changed
+            if reason is not None:
+                self.pending[rank] = (failed_at, reason)
+                if self.first_detection is None:
+                    self.first_detection = now
+
+    def _read_dead_reports(self) -> None:
+        seq = keys.get_int(self.store, keys.DEAD_SEQ, 0)
+        if seq == self._dead_seq:
+            return
+        self._dead_seq = seq
+        for rank in self.ranks:
+            if self.store.check([keys.dead(rank)]):
+                inc, _, epoch = self.store.get(keys.dead(rank)).decode().partition(":")
+                self.reported[rank] = (int(inc), float(epoch))
+
+    def _is_hung(self, rank: int, progress: dict, now: float) -> bool:
+        _, step, phase = progress[rank]
+        if phase != "compute":
+            return False
+        waiting = any(
+            s > step or (s == step and ph == "reduce")
+            for r, (_, s, ph) in progress.items()
+            if r != rank
+        )
+        return waiting and now - self.ranks[rank].progress_changed > self.hang_timeout_s()
+
+    # ------------------------------------------------------------------ decisions
+    def _decide(self, now: float) -> None:
+        removed: tuple[int, ...] = ()
+        if self.pending and now - self.first_detection >= self.cfg.grace_s:
+            dead_replicas = sorted({r // self.tp for r in self.pending})
+            removed = tuple(r for r in dead_replicas if r in self.members)
+        added = tuple(rep for rep in range(self.num_replicas) if self._ready_to_join(rep, now))
+        if not removed and not added:
+            return
+        members = tuple(sorted((set(self.members) - set(removed)) | set(added)))
+        if removed:
+            self._report_failures(removed, now)
+        if not members:
+            self._abort(
+                "every replica is lost, so no survivor holds the training state "
+                "(restart from a checkpoint: not built yet)"
+            )
+            return
+        if len(members) < self.cfg.min_replicas:
+            self._abort(f"only {len(members)} replicas left, below min_replicas")
+            return
+        failure_epoch = min((t for t, _ in self.pending.values()), default=None)
+        self._publish(
+            members,
+            removed=removed,
+            added=added,
+            reason="failure" if removed else "join",
+            failure_epoch_s=failure_epoch if removed else None,
+        )
+        if removed:
+            self.pending.clear()
+            self.first_detection = None
+
+    def _report_failures(self, removed: tuple[int, ...], now: float) -> None:
+        detected = time.time()
+        for rep in removed:
+            for rank in self.replica_ranks(rep):
+                st = self.ranks[rank]
+                failed_at, reason = self.pending.get(rank, (detected, "TP peer of a lost rank"))
+                injected = keys.injected(rank, st.incarnation)
+                if self.store.check([injected]):  # the true failure time of an injection
+                    kind, _, epoch = self.store.get(injected).decode().partition(":")
+                    failed_at, reason = min(failed_at, float(epoch)), f"injected {kind}: {reason}"
+                    self.pending[rank] = (failed_at, reason)
+                self.pending.setdefault(rank, (failed_at, reason))
+                st.evicted_incarnation = st.incarnation
+                self.store.set(keys.evict(rank), str(st.incarnation))
+                common = dict(step=max(self.job_step, 0), dp_rank=rep, ranks=[rank])
+                keys.post_event(self.store, "failure", epoch_s=failed_at, detail=reason, **common)
+                keys.post_event(
+                    self.store,
+                    "detection",
+                    epoch_s=detected,
+                    latency_ms=1000 * max(0.0, detected - failed_at),
+                    detail=reason,
+                    **common,
+                )
+                self.log(f"[coordinator] rank {rank} (replica {rep}) lost: {reason}")
+
+    def _ready_to_join(self, replica: int, now: float) -> bool:
+        if replica in self.members:
+            return False
+        for rank in self.replica_ranks(replica):
+            st = self.ranks[rank]
+            if st.incarnation <= st.evicted_incarnation or st.incarnation < 0:
+                return False
+            if self.reported.get(rank, (-1, 0.0))[0] == st.incarnation:
+                return False  # this incarnation died before it could join
+            if now - st.hb_changed > self.cfg.heartbeat_timeout_s or st.hb_value < 0:
+                return False
+        return True
+
+    def _publish(
+        self, members, *, removed, added, reason: str, failure_epoch_s: float | None = None
+    ) -> None:
+        self.gen += 1
+        self.members = tuple(members)
+        record = {
+            "members": list(members),
+            "removed": list(removed),
+            "added": list(added),
+            "reason": reason,
+            "tp": self.tp,
+            "epoch_s": time.time(),
+            "failure_epoch_s": failure_epoch_s,
+            "step": max(self.job_step, 0),
+        }
+        self.store.set(keys.gen_record(self.gen), json.dumps(record))
+        self.store.set(keys.GEN, str(self.gen))
+        self.log(f"[coordinator] generation {self.gen}: members {list(members)} ({reason})")
+
+    def _abort(self, reason: str) -> None:
+        self.aborted = reason
+        self.store.set(keys.ABORT, reason)
+        keys.post_event(
+            self.store, "abort", step=max(self.job_step, 0), dp_rank=None, detail=reason
+        )
+        self.log(f"[coordinator] aborting the job: {reason}")
+
+    # ------------------------------------------------------------------ events
+    def _drain_events(self) -> None:
+        if self.writer is None:
+            if not self.store.check([keys.RUN_DIR]):
+                return
+            run_dir, _, start = self.store.get(keys.RUN_DIR).decode().rpartition("|")
+            self.writer = EventWriter(Path(run_dir) / "events.jsonl", float(start))
+        last = keys.get_int(self.store, keys.EVENT_SEQ, 0)
+        while self.next_event <= last:
+            key = keys.event(self.next_event)
+            if not self.store.check([key]):
+                return  # posted counter first, value next: read it on the next tick
+            ev = json.loads(self.store.get(key))
+            epoch = ev.pop("epoch_s")
+            ev_type = ev.pop("type")
+            self.writer.write(ev_type, time_s=epoch, **ev)
+            self.next_event += 1
+
+    def close(self) -> None:
+        try:
+            self._drain_events()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _parse_progress(text: str) -> tuple[int, int, str]:
+    """`<inc>:<step>:<phase>` -> (inc, step, phase); unknown -> (-1, -1, 'idle')."""
+    parts = text.split(":")
+    if len(parts) != 3:
+        return -1, -1, "idle"
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    d = DetectorConfig()
+    p = argparse.ArgumentParser(
+        prog="mecefo-coordinator",
+        description="Serve the failover store and decide membership (one per job, head node).",
+    )
+    p.add_argument("--world-size", type=int, required=True, help="trainer processes in the job")
+    p.add_argument("--host", default="0.0.0.0", help="listen address")
+    p.add_argument("--port", type=int, default=0, help="listen port (0: a free one)")
+    p.add_argument("--port-file", help="write the chosen port here once listening")
+    for name, env in (
+        ("heartbeat_timeout_s", "MECEFO_HEARTBEAT_TIMEOUT_S"),
+        ("hang_timeout_floor_s", "MECEFO_HANG_TIMEOUT_FLOOR_S"),
+        ("hang_timeout_factor", "MECEFO_HANG_TIMEOUT_FACTOR"),
+        ("grace_s", "MECEFO_GRACE_S"),
+        ("start_timeout_s", "MECEFO_START_TIMEOUT_S"),
+    ):
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=float, default=_env_float(env, getattr(d, name)), help=f"${env}")
+    p.add_argument(
+        "--min-replicas", type=int, default=int(os.environ.get("MECEFO_MIN_REPLICAS", 1))
+    )
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    try:
+        cfg = DetectorConfig(
+            heartbeat_timeout_s=args.heartbeat_timeout_s,
+            hang_timeout_floor_s=args.hang_timeout_floor_s,
+            hang_timeout_factor=args.hang_timeout_factor,
+            grace_s=args.grace_s,
+            start_timeout_s=args.start_timeout_s,
+            min_replicas=args.min_replicas,
+        )
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    store = dist.TCPStore(
+        args.host,
+        args.port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+        use_libuv=True,
+    )
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(store.port))
+        tmp.replace(args.port_file)
+    print(f"[coordinator] serving on port {store.port} for {args.world_size} ranks", flush=True)
+    stop = {"flag": False}
+
+    def _stop(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    coord = Coordinator(store, args.world_size, cfg, log=lambda m: print(m, flush=True))
+    agents_seen = False
+    parent = os.getppid()
+    try:
+        while not stop["flag"] and os.getppid() == parent:  # never outlive the launcher
+            coord.tick()
+            active = keys.get_int(store, keys.AGENTS_ACTIVE, 0)
+            agents_seen = agents_seen or active > 0
+            if agents_seen and active <= 0:
+                break  # every agent is gone: nothing left to coordinate
+            time.sleep(cfg.poll_s)
+    finally:
+        coord.close()
+    return 8 if coord.aborted else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

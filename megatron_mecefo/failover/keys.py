@@ -1,0 +1,137 @@
+"""The coordinator store's key schema and client connection (one place, so writers and readers
+agree). The store is torch's C++ `TCPStore`, served by `mecefo-coordinator`.
+
+Ranks are global ranks; replicas are logical DP indices (global rank // TP), stable for the whole
+job. A rank's *incarnation* counts its restarts (0 for the first process).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import time
+from typing import Any
+
+COORDINATOR_ENV = "MECEFO_COORDINATOR"
+"""host:port of the coordinator store; its presence switches failover on in a trainer."""
+INCARNATION_ENV = "MECEFO_INCARNATION"
+"""Restart count of this rank, set by the per-node agent."""
+
+GEN = "gen"
+"""Latest published membership generation (int as text)."""
+ABORT = "abort"
+"""Set by the coordinator when the job cannot continue; value = reason."""
+DONE = "done"
+"""Set by the leader when the last step committed; agents stop restarting ranks."""
+RUN_DIR = "run_dir"
+"""Absolute run directory, published by the first leader; the coordinator writes events there."""
+JOB_STEP = "job/step"
+"""Highest step a member has reached (published by the coordinator from progress markers)."""
+REG_SEQ = "reg/seq"
+"""Bumped after every registration (the coordinator re-reads registrations when it moves)."""
+DEAD_SEQ = "dead/seq"
+"""Bumped after every death report."""
+AGENTS_ACTIVE = "agents/active"
+"""Per-node agents running; the coordinator exits when it falls back to 0."""
+EVENT_SEQ = "ev/seq"
+"""Counter of posted events; event i is under `ev/<i>` (1-based)."""
+
+
+def gen_record(gen: int) -> str:
+    """JSON {members, removed, added, reason, time}: replicas of generation `gen`."""
+    return f"gen/{gen}"
+
+
+def registration(rank: int) -> str:
+    """JSON {incarnation, pid, host, tp, world}: written by a trainer at start."""
+    return f"reg/{rank}"
+
+
+def heartbeat(rank: int) -> str:
+    """Counter bumped by the rank's heartbeat thread."""
+    return f"hb/{rank}"
+
+
+def progress(rank: int) -> str:
+    """`<incarnation>:<step>:<phase>` (phase: compute | reduce | idle)."""
+    return f"progress/{rank}"
+
+
+def dead(rank: int) -> str:
+    """Incarnation of `rank` reported dead (by its agent or itself), as `<inc>:<epoch time>`."""
+    return f"dead/{rank}"
+
+
+def evict(rank: int) -> str:
+    """Incarnation the coordinator wants killed (hung or fenced); the agent SIGKILLs it."""
+    return f"evict/{rank}"
+
+
+def downtime(rank: int, incarnation: int) -> str:
+    """Step at which an injected failure of this incarnation may come back (agent waits)."""
+    return f"downtime/{rank}/{incarnation}"
+
+
+def injected(rank: int, incarnation: int) -> str:
+    """`<kind>:<epoch>` written by an injection just before it fires (true failure time)."""
+    return f"injected/{rank}/{incarnation}"
+
+
+def vote(gen: int, step: int, attempt: int) -> str:
+    """Counter of members whose reduction of (gen, step, attempt) succeeded."""
+    return f"vote/{gen}/{step}/{attempt}"
+
+
+def decision(gen: int, step: int, attempt: int) -> str:
+    """`commit:<next gen>` or `abort:<next gen>`, set once with compare_set."""
+    return f"decision/{gen}/{step}/{attempt}"
+
+
+def event(index: int) -> str:
+    return f"ev/{index}"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def connect(address: str, timeout_s: float):
+    """A new TCPStore client of the coordinator (one per thread: clients are not shared)."""
+    import torch.distributed as dist
+
+    host, port = parse_address(address)
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )
+
+
+def post_event(store, event_type: str, **fields: Any) -> None:
+    """Queue one event for the coordinator's events.jsonl (`epoch_s` = when it happened)."""
+    fields.setdefault("epoch_s", time.time())
+    index = store.add(EVENT_SEQ, 1)
+    store.set(event(index), json.dumps({"type": event_type, **fields}))
+
+
+def report_dead(store, rank: int, incarnation: int, epoch_s: float | None = None) -> None:
+    """Tell the coordinator this incarnation of `rank` is gone (agent: child exited)."""
+    store.set(dead(rank), f"{incarnation}:{time.time() if epoch_s is None else epoch_s}")
+    store.add(DEAD_SEQ, 1)
+
+
+def get_int(store, key: str, default: int = 0) -> int:
+    if not store.check([key]):
+        return default
+    return int(store.get(key).decode())
+
+
+def this_host() -> str:
+    return os.uname().nodename

@@ -1,0 +1,619 @@
+"""The trainer side of failover: join, per-step plans, abortable collectives, the commit vote,
+regroup at step boundaries, and state transfer to (re)joining replicas.
+
+One `FailoverManager` per trainer process. It owns the engine's `membership` (generation, group)
+and `commit_vote`, and is the loop's plan hook. The protocol, per step attempt (g, step, a):
+
+1. every member reduces gradients on generation g's group; a collective that errors, or that is
+   still running when the coordinator publishes a generation without one of g's members, is
+   abandoned and recorded (collectives run on staging copies, so an abandoned one never writes
+   into live buffers);
+2. the commit vote: members whose reduction succeeded bump `vote/g/step/a`; the one that makes it
+   complete sets `decision/g/step/a = commit:<next gen>` with compare-and-set; a member that
+   failed (or sees g lose a member) sets `abort:<next gen>` instead. The first write wins, so every
+   member applies the same verdict: an update is applied only if the whole membership reduced;
+3. at the next step start, members adopt `<next gen>` if it differs (build its group directly on
+   a PrefixStore, then sync state: joiners receive model, optimizer, RNG and step from a live
+   peer); an aborted step is redone with the new plan. No micro-batch is lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.errors import FencedError, JobAbortedError, QuorumTimeoutError
+from megatron_mecefo.failover import inject, keys
+from megatron_mecefo.failover.heartbeat import Heartbeat
+from megatron_mecefo.failover.inject import Injector
+from megatron_mecefo.failover.membership import Membership
+from megatron_mecefo.plan import CostModel, RankStepPlan, make_step_plans, microbatch_flops
+from megatron_mecefo.training import state as train_state
+from megatron_mecefo.training.hooks import TrainHook
+
+
+class _Superseded(Exception):
+    """A newer generation was published while we waited; retarget it."""
+
+    def __init__(self, gen: int):
+        super().__init__(f"superseded by generation {gen}")
+        self.gen = gen
+
+
+class JobDone(Exception):
+    """The job finished while this rank waited to join."""
+
+
+class AbortableCollectives:
+    """Collectives on a generation's group that give up when the membership moves on."""
+
+    def __init__(self, manager: FailoverManager):
+        self._manager = manager
+        self.failed: str | None = None
+
+    def reset(self) -> None:
+        self.failed = None
+
+    def all_reduce(self, tensor: torch.Tensor, group) -> bool:
+        if self.failed is not None:
+            return False
+        self._manager.set_phase("reduce")
+        stage = tensor.clone()  # an abandoned collective may still write into its buffer later
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        error = self._manager.wait_work(group.allreduce([stage], opts), "all-reduce")
+        if error is not None:
+            self.failed = error
+            return False
+        tensor.copy_(stage)
+        return True
+
+
+class FailoverManager(TrainHook):
+    """Trainer-side failover for one process (see the module docstring for the protocol)."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        address: str,
+        rank: int,
+        world_size: int,
+        tp_size: int,
+        incarnation: int,
+        backend: str,
+        injections=(),
+        log=print,
+    ):
+        self.cfg = cfg
+        self.fcfg = cfg.failover
+        self.address = address
+        self.rank, self.world, self.tp = rank, world_size, tp_size
+        self.replica, self.tp_rank = divmod(rank, tp_size)
+        self.num_replicas = world_size // tp_size
+        self.incarnation = incarnation
+        self.backend = backend
+        self.log = log
+        self.store = keys.connect(address, self.fcfg.coordinator_timeout_s)
+        self.collectives = AbortableCollectives(self)
+        self.membership = Membership(
+            num_replicas=self.num_replicas,
+            replica=self.replica,
+            members=(self.replica,),
+            group=None,
+            generation=0,
+            collectives=self.collectives,
+        )
+        self.injector = Injector(injections, self.store, rank, incarnation)
+        self.hb: Heartbeat | None = None
+        self.attempt = 0
+        self.next_step = 0
+        self.has_state = incarnation == 0
+        self._pending: tuple[int, str] | None = None
+        self._records: dict[int, dict] = {}
+        self._plan_cache: tuple[tuple[int, ...], RankStepPlan | None] | None = None
+        self._job_degraded = False
+        self._graveyard: list[Any] = []  # abandoned groups: never destroyed while work may hang
+        self._task_log = None
+        self.stats = {
+            "steps_redone": 0,
+            "steps_degraded": 0,
+            "samples_lost": 0,
+            "regroups": 0,
+            "rejoin_bytes": 0,
+            "rejoin_s": None,
+        }
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------ start-up
+    def register(self) -> None:
+        """Announce this incarnation to the coordinator and start heartbeating."""
+        self.store.set(keys.progress(self.rank), f"{self.incarnation}:-1:idle")
+        reg = {
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "host": keys.this_host(),
+            "tp": self.tp,
+            "world": self.world,
+        }
+        self.hb = Heartbeat(
+            self.address,
+            self.rank,
+            interval_s=self.fcfg.heartbeat_interval_s,
+            coordinator_timeout_s=self.fcfg.coordinator_timeout_s,
+        )
+        self.store.set(keys.registration(self.rank), json.dumps(reg))
+        self.store.add(keys.REG_SEQ, 1)
+        self.hb.start()
+
+    def attach(self, engine) -> None:
+        """Give the engine our membership and commit vote (it was built with `membership`)."""
+        engine.membership = self.membership
+        engine.reducer.membership = self.membership
+        engine.commit_vote = self.commit_vote
+
+    def join(self, engine) -> int:
+        """Wait for a generation that includes this replica, form it, sync state.
+
+        Returns the first step to run. Raises `JobDone` if the job ended meanwhile.
+        """
+        while True:
+            gen = keys.get_int(self.store, keys.GEN)
+            if self.store.check([keys.DONE]):
+                raise JobDone()
+            if gen > 0 and self.replica in self._record(gen)["members"]:
+                break
+            time.sleep(0.02)
+        self._adopt(engine, gen, f"pg/{gen}")
+        return self.next_step
+
+    def data_barrier_for(self, is_builder: bool):
+        """A store-based barrier for data preparation across replicas (no DP group exists yet):
+        the builder marks each barrier it reaches, the others wait for the mark."""
+        calls = {"n": 0}
+
+        def barrier() -> None:
+            calls["n"] += 1
+            key = f"data/barrier/{calls['n']}"
+            if is_builder:
+                self.store.set(key, "1")
+                return
+            deadline = time.monotonic() + self.fcfg.regroup_timeout_s
+            while not self.store.check([key]):
+                if time.monotonic() > deadline:
+                    raise QuorumTimeoutError("timed out waiting for rank 0 to prepare the data")
+                time.sleep(0.05)
+
+        return barrier
+
+    # ------------------------------------------------------------------ hook
+    def plan_for_step(self, engine, step: int) -> RankStepPlan | None:
+        if self._pending is not None:
+            gen, key = self._pending
+            self._pending = None
+            self._adopt(engine, gen, key)
+        self.injector.maybe_fire(step, self.membership.generation)
+        self.set_phase("compute", step)
+        return self._plan(step)
+
+    def after_step(self, engine, result, record: dict[str, Any]) -> None:
+        m = self.membership
+        self.next_step = result.step + 1
+        expected = m.num_replicas * self.cfg.training.num_microbatches
+        self.stats["samples_lost"] += max(0, expected - result.global_microbatches)
+        plan = self._plan_cache[1] if self._plan_cache else None
+        self.stats["steps_degraded"] += int(self._job_degraded)
+        record["generation"] = m.generation
+        record["replicas_alive"] = m.size
+        record["global_microbatches"] = result.global_microbatches
+        if self.fcfg.audit and self.tp_rank == 0:
+            self._log_tasks(engine, result.step, plan)
+
+    def on_step_aborted(self, engine, result) -> None:
+        self.stats["steps_redone"] += 1
+
+    def on_train_end(self, engine, summary: dict[str, Any]) -> None:
+        if self.fcfg.audit:
+            path = Path(self.cfg.run_dir) / "audit" / f"state_rank{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            info = {"next_step": self.next_step, **train_state.digest(engine)}
+            path.write_text(json.dumps(info))
+        if self.is_leader:
+            self.store.set(keys.DONE, "1")
+        summary["failover"] = self.summary()
+
+    # ------------------------------------------------------------------ plans
+    @property
+    def is_leader(self) -> bool:
+        """Writes metrics and the summary: TP rank 0 of the lowest live replica."""
+        return self.tp_rank == 0 and self.membership.members[0] == self.replica
+
+    def _plan(self, step: int) -> RankStepPlan | None:
+        members = self.membership.members
+        if self._plan_cache is None or self._plan_cache[0] != members:
+            plan, self._job_degraded = None, False
+            if len(members) < self.num_replicas:
+                plans = make_step_plans(
+                    alive=members,
+                    num_replicas=self.num_replicas,
+                    num_microbatches=self.cfg.training.num_microbatches,
+                    policy=self.cfg.mecefo.takeover_policy,
+                    cost=self._cost_model(),
+                    target_ratio=self.cfg.mecefo.hybrid_target_ratio,
+                )
+                plan = plans[self.replica]
+                self._job_degraded = any(p.num_degraded for p in plans.values())
+                if self.is_leader:
+                    self._post_takeover(step, plans)
+            self._plan_cache = (members, plan)
+        return self._plan_cache[1]
+
+    def _cost_model(self) -> CostModel:
+        mc, mec = self.cfg.model, self.cfg.mecefo
+        flops = microbatch_flops(
+            num_layers=mc.num_layers,
+            hidden_size=mc.hidden_size,
+            ffn_hidden_size=mc.ffn_hidden_size,
+            seq_length=mc.seq_length,
+            vocab_size=mc.vocab_size,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            rank_fraction=mec.rank if mec.rank < 1 else mec.rank / mc.hidden_size,
+            skip_attention_backward=mec.skip_attention_backward,
+            recompute_ffn=mec.recompute_ffn,
+            lowrank_ffn_grad=mec.lowrank_ffn_grad,
+        )
+        return CostModel.from_flops(flops)
+
+    def _post_takeover(self, step: int, plans: dict[int, RankStepPlan]) -> None:
+        work = {r: [len(p.tasks), p.num_degraded] for r, p in plans.items() if len(p.tasks) > 0}
+        keys.post_event(
+            self.store,
+            "takeover",
+            step=step,
+            dp_rank=None,
+            generation=self.membership.generation,
+            detail=(
+                f"policy {self.cfg.mecefo.takeover_policy}; dead {list(self.membership.dead)}; "
+                f"replica: [micro-batches, degraded] {json.dumps(work)}"
+            ),
+        )
+
+    # ------------------------------------------------------------------ progress / waiting
+    def set_phase(self, phase: str, step: int | None = None) -> None:
+        if self.hb is not None:
+            s = self.next_step if step is None else step
+            self.hb.progress = f"{self.incarnation}:{s}:{phase}"
+
+    def wait_work(self, work, what: str, *, p2p: bool = False) -> str | None:
+        """Poll an async collective; the reason it failed or was abandoned, or None if done.
+
+        Gloo's send/recv work never reports `is_completed()`; with `p2p` a helper thread waits
+        on it and we poll the thread instead.
+        """
+        if p2p:
+            done = threading.Event()
+            errors: list[BaseException] = []
+
+            def waiter() -> None:
+                try:
+                    work.wait()
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    errors.append(exc)
+                done.set()
+
+            threading.Thread(target=waiter, name="mecefo-p2p-wait", daemon=True).start()
+            work = _ThreadWork(done, errors)
+        delay, last_check = 0.0, time.monotonic()
+        while not work.is_completed():
+            time.sleep(delay)
+            delay = min(2 * delay or 5e-5, 1e-3)
+            now = time.monotonic()
+            if now - last_check > 0.02:
+                last_check = now
+                lost = self._membership_lost()
+                if lost is not None:
+                    return f"{what} abandoned: {lost}"
+        try:
+            work.wait()
+        except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+            return f"{what} failed: {str(exc).splitlines()[0]}"
+        return None
+
+    def _membership_lost(self) -> str | None:
+        """Whether a generation newer than ours dropped one of our members."""
+        latest = self.hb.latest_gen if self.hb is not None else 0
+        if latest <= self.membership.generation:
+            return None
+        members = set(self._record(latest)["members"])
+        gone = [r for r in self.membership.members if r not in members]
+        return f"generation {latest} removed replicas {gone}" if gone else None
+
+    def _record(self, gen: int) -> dict:
+        if gen not in self._records:
+            self._records[gen] = json.loads(self.store.get(keys.gen_record(gen)))
+        return self._records[gen]
+
+    # ------------------------------------------------------------------ commit vote
+    def commit_vote(self, step: int, ok: bool) -> bool:
+        """Same verdict on every member: commit iff every member's reduction succeeded."""
+        m = self.membership
+        g, a = m.generation, self.attempt
+        dkey = keys.decision(g, step, a)
+        verdict = None
+        if ok:
+            count = self.store.add(keys.vote(g, step, a), 1)
+            if count == m.size * self.tp:
+                latest = max(g, self.hb.latest_gen)
+                verdict = self.store.compare_set(dkey, "", f"commit:{latest}").decode()
+        if verdict is None:
+            verdict = self._await_decision(dkey, g, failed=not ok)
+        kind, _, next_gen = verdict.partition(":")
+        committed, next_gen = kind == "commit", int(next_gen)
+        if committed:
+            self.attempt = 0
+        else:
+            self.attempt += 1
+            why = self.collectives.failed or "another member's reduction failed"
+            self.log(f"[failover] rank {self.rank}: step {step} not committed ({why}); redoing")
+        if next_gen != g:
+            self._pending = (next_gen, f"pg/{next_gen}")
+        elif not committed:  # same members, but the group saw an error: rebuild it
+            self._pending = (g, f"pg/{g}/s{step}a{a}")
+        return committed
+
+    def _await_decision(self, dkey: str, g: int, *, failed: bool) -> str:
+        start = time.monotonic()
+        delay, last_gen_check = 0.0, 0.0
+        while True:
+            if self.store.check([dkey]):
+                return self.store.get(dkey).decode()
+            now = time.monotonic()
+            if now - last_gen_check > 0.02:
+                last_gen_check = now
+                latest = keys.get_int(self.store, keys.GEN)
+                if latest > g:
+                    gone = set(self.membership.members) - set(self._record(latest)["members"])
+                    if gone:
+                        return self.store.compare_set(dkey, "", f"abort:{latest}").decode()
+                if failed and now - start > self.fcfg.failure_wait_s:
+                    return self.store.compare_set(dkey, "", f"abort:{max(g, latest)}").decode()
+            if now - start > self.fcfg.regroup_timeout_s:
+                raise QuorumTimeoutError(
+                    f"no commit decision for generation {g} within {self.fcfg.regroup_timeout_s} s"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay or 1e-4, 2e-3)
+
+    # ------------------------------------------------------------------ regroup
+    def _adopt(self, engine, gen: int, key: str) -> None:
+        """Form generation `gen` (or a newer one if it is superseded meanwhile) and sync state."""
+        deadline = time.monotonic() + self.fcfg.regroup_timeout_s
+        t0 = time.monotonic()
+        self.set_phase("idle")
+        while True:
+            members = tuple(self._record(gen)["members"])
+            if self.replica not in members:
+                raise FencedError(
+                    f"replica {self.replica} is not in generation {gen} (declared dead); "
+                    "exiting so the agent restarts it to rejoin"
+                )
+            try:
+                group = self._build_group(key, members, gen, deadline)
+                self._install(gen, members, group)
+                self._sync_state(engine, gen, deadline)
+                break
+            except _Superseded as newer:
+                gen, key = newer.gen, f"pg/{newer.gen}"
+        self.stats["regroups"] += 1
+        self.log(
+            f"[failover] rank {self.rank}: generation {gen}, members {list(members)}, "
+            f"formed in {1000 * (time.monotonic() - t0):.0f} ms"
+        )
+        record = self._record(gen)
+        if self.is_leader and gen > 1:
+            failed_at = record.get("failure_epoch_s")
+            keys.post_event(
+                self.store,
+                "regroup",
+                step=self.next_step,
+                dp_rank=(record["removed"] or record["added"] or [None])[0],
+                generation=gen,
+                **({"latency_ms": 1000 * (time.time() - failed_at)} if failed_at else {}),
+                detail=f"{record['reason']}: members {list(members)}, removed "
+                f"{record['removed']}, added {record['added']}",
+            )
+
+    def _build_group(self, key: str, members: tuple[int, ...], gen: int, deadline: float):
+        if len(members) == 1:
+            return None
+        pos, size = members.index(self.replica), len(members)
+        timeout = timedelta(seconds=self.cfg.parallel.timeout_s)
+        result: dict[str, Any] = {}
+
+        def build() -> None:
+            try:
+                client = keys.connect(self.address, self.fcfg.regroup_timeout_s)
+                prefix = dist.PrefixStore(f"{key}/tp{self.tp_rank}", client)
+                result["group"] = _new_group(self.backend, prefix, pos, size, timeout)
+            except Exception as exc:  # noqa: BLE001 - surfaced below
+                result["error"] = exc
+
+        thread = threading.Thread(target=build, name=f"mecefo-group-{gen}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.01)
+            self._check_superseded(gen, deadline)
+        if "error" in result:
+            self.log(
+                f"[failover] rank {self.rank}: building generation {gen} failed: "
+                f"{result['error']}; waiting for the coordinator"
+            )
+            raise _Superseded(self._wait_newer_generation(gen, deadline))
+        return result["group"]
+
+    def _check_superseded(self, gen: int, deadline: float) -> None:
+        latest = self.hb.latest_gen
+        if latest > gen:
+            raise _Superseded(latest)
+        if time.monotonic() > deadline:
+            raise QuorumTimeoutError(
+                f"generation {gen} did not form within {self.fcfg.regroup_timeout_s} s"
+            )
+
+    def _wait_newer_generation(self, gen: int, deadline: float) -> int:
+        while True:
+            latest = keys.get_int(self.store, keys.GEN)
+            if latest > gen:
+                return latest
+            if self.store.check([keys.DONE]):
+                raise JobDone()
+            if time.monotonic() > deadline:
+                raise QuorumTimeoutError(f"no new generation after {gen} failed to form")
+            time.sleep(0.02)
+
+    def _install(self, gen: int, members: tuple[int, ...], group) -> None:
+        m = self.membership
+        if m.group is not None:
+            self._graveyard.append(m.group)
+        m.generation, m.members, m.group = gen, members, group
+        self.collectives.reset()
+
+    def _sync_state(self, engine, gen: int, deadline: float) -> None:
+        """Agree on the newest state among members; send it to any member that lacks it."""
+        m = self.membership
+        mine = self.next_step if self.has_state else -1
+        if m.size == 1:
+            if mine < 0:
+                raise JobAbortedError("no live replica holds the training state to rejoin from")
+            return
+        steps = torch.zeros(m.size, dtype=torch.int64)
+        steps[m.position] = mine
+        if not self.collectives.all_reduce(steps, m.group):
+            raise _Superseded(self._wait_newer_generation(gen, deadline))
+        best = int(steps.max())
+        if best < 0:
+            raise JobAbortedError("no live replica holds the training state to rejoin from")
+        source = int((steps == best).nonzero()[0])
+        receivers = [i for i in range(m.size) if int(steps[i]) < best]
+        if not receivers:
+            return
+        t0 = time.monotonic()
+        if m.position == source or m.position in receivers:
+            self.injector.maybe_fire(inject.AT_REJOIN, gen)
+        if m.position == source:
+            payload = train_state.to_bytes(train_state.state_dict(engine, best))
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+            for dst in receivers:
+                for tag, tensor in ((1, size), (2, payload)):
+                    if (
+                        self.wait_work(m.group.send([tensor], dst, tag), "state send", p2p=True)
+                        is not None
+                    ):
+                        raise _Superseded(self._wait_newer_generation(gen, deadline))
+            self.log(
+                f"[failover] rank {self.rank}: sent state of step {best} "
+                f"({payload.numel() / 1e6:.2f} MB) to replicas {[m.members[i] for i in receivers]}"
+            )
+        elif m.position in receivers:
+            size = torch.zeros(1, dtype=torch.int64)
+            if self.wait_work(m.group.recv([size], source, 1), "state receive", p2p=True):
+                raise _Superseded(self._wait_newer_generation(gen, deadline))
+            payload = torch.empty(int(size), dtype=torch.uint8)
+            if self.wait_work(m.group.recv([payload], source, 2), "state receive", p2p=True):
+                raise _Superseded(self._wait_newer_generation(gen, deadline))
+            self.next_step = train_state.load_state_dict(engine, train_state.from_bytes(payload))
+            self.has_state = True
+            elapsed = time.monotonic() - t0
+            self.stats["rejoin_bytes"] = int(payload.numel())
+            self.stats["rejoin_s"] = elapsed
+            keys.post_event(
+                self.store,
+                "rejoin",
+                step=self.next_step,
+                dp_rank=self.replica,
+                ranks=[self.rank],
+                generation=gen,
+                latency_ms=1000 * (time.monotonic() - self._started),
+                detail=(
+                    f"state of step {best} from replica {m.members[source]}: "
+                    f"{payload.numel() / 1e6:.2f} MB in {1000 * elapsed:.0f} ms "
+                    f"({payload.numel() / 1e6 / max(elapsed, 1e-9):.1f} MB/s)"
+                ),
+            )
+
+    # ------------------------------------------------------------------ reporting
+    def _log_tasks(self, engine, step: int, plan: RankStepPlan | None) -> None:
+        if self._task_log is None:
+            path = Path(self.cfg.run_dir) / "audit" / f"tasks_rank{self.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._task_log = open(path, "a", buffering=1)
+        plan = plan or engine.default_plan()
+        tasks = [[t.source_dp_rank, t.micro_index, int(t.degraded)] for t in plan.tasks]
+        line = {"step": step, "replica": self.replica, "inc": self.incarnation, "tasks": tasks}
+        self._task_log.write(json.dumps(line) + "\n")
+
+    def summary(self) -> dict[str, Any]:
+        """This rank's failover counters plus the job's failures and latencies (from the store)."""
+        events = posted_events(self.store)
+        by_type: dict[str, list[dict]] = {}
+        for ev in events:
+            by_type.setdefault(ev["type"], []).append(ev)
+
+        def latencies(kind: str) -> list[float]:
+            return [round(e["latency_ms"], 1) for e in by_type.get(kind, []) if "latency_ms" in e]
+
+        return {
+            **self.stats,
+            "failures": len(by_type.get("failure", [])),
+            "rejoins": len(by_type.get("rejoin", [])),
+            "detection_ms": latencies("detection"),
+            "regroup_ms": [
+                round(e["latency_ms"], 1) for e in by_type.get("regroup", []) if "latency_ms" in e
+            ],
+            "final_generation": self.membership.generation,
+        }
+
+    def close(self) -> None:
+        if self.hb is not None:
+            self.hb.stop()
+        if self._task_log is not None:
+            self._task_log.close()
+
+
+class _ThreadWork:
+    """`is_completed`/`wait` over a helper thread that waits on real work."""
+
+    def __init__(self, done: threading.Event, errors: list[BaseException]):
+        self._done, self._errors = done, errors
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        if self._errors:
+            raise self._errors[0]
+
+
+def posted_events(store) -> list[dict]:
+    """Every event posted to the store so far (what the coordinator writes to events.jsonl)."""
+    last = keys.get_int(store, keys.EVENT_SEQ, 0)
+    found = [keys.event(i) for i in range(1, last + 1)]
+    found = [k for k in found if store.check([k])]
+    return [json.loads(v) for v in store.multi_get(found)] if found else []
+
+
+def _new_group(backend: str, store, rank: int, size: int, timeout: timedelta):
+    """A process group built directly on `store` (no default group, no dead rank involved)."""
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)

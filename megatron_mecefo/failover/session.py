@@ -1,0 +1,129 @@
+"""A trainer process under `mecefo-launch`: register, build, join, train, finish.
+
+Megatron sees only this replica (its TP ranks form the default process group, on a store prefix
+of the replica's incarnation); everything across replicas goes through the failover membership.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.errors import DistributedSetupError, ExitCode
+from megatron_mecefo.failover import inject, keys
+from megatron_mecefo.failover.manager import FailoverManager, JobDone
+
+
+def init_replica_parallel(cfg, address: str, replica: int, tp_rank: int, tp: int, inc: int):
+    """Default process group = this replica's TP ranks; then megatron's groups (DP = 1)."""
+    from megatron_mecefo.mcore.parallel import init_parallel
+
+    on_cpu = not torch.cuda.is_available()
+    backend = (
+        cfg.parallel.backend if cfg.parallel.backend != "auto" else ("gloo" if on_cpu else "nccl")
+    )
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    if tp == 1:
+        store = dist.HashStore()
+    else:
+        client = keys.connect(address, cfg.failover.regroup_timeout_s)
+        store = dist.PrefixStore(f"replica/{replica}/{inc}", client)
+    dist.init_process_group(backend, store=store, rank=tp_rank, world_size=tp, timeout=timeout)
+    return init_parallel(cfg.parallel)
+
+
+def run_with_failover(cfg, args, say) -> int:
+    """The whole life of one trainer process under failover; returns its exit code."""
+    from megatron_mecefo.metrics.logger import MetricsLogger
+    from megatron_mecefo.training.engine import build_engine
+    from megatron_mecefo.training.loop import train
+    from megatron_mecefo.training.run_dir import RunDir
+
+    address = os.environ[keys.COORDINATOR_ENV]
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    incarnation = int(os.environ.get(keys.INCARNATION_ENV, 0))
+    tp = cfg.parallel.tensor_model_parallel_size
+    if world % tp:
+        raise DistributedSetupError(
+            f"world size {world} is not divisible by TP = {tp}; launch a multiple of {tp} ranks"
+        )
+    specs = [inject.parse_inject(s) for s in args.inject or []]
+    if args.failures:
+        specs += inject.from_scenario(args.failures, tp)
+    inject.check_ranks(specs, world)
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    manager = FailoverManager(
+        cfg,
+        address=address,
+        rank=rank,
+        world_size=world,
+        tp_size=tp,
+        incarnation=incarnation,
+        backend=backend,
+        injections=specs,
+        log=lambda m: print(m, flush=True),
+    )
+    manager.register()
+    replica, tp_rank = divmod(rank, tp)
+    ctx = init_replica_parallel(cfg, address, replica, tp_rank, tp, incarnation)
+    first = rank == 0 and incarnation == 0
+    lead_say = say if first else (lambda *a, **k: None)
+    engine = build_engine(
+        cfg,
+        ctx,
+        log=lambda m: lead_say(m, flush=True),
+        membership=manager.membership,
+        data_rank=0 if first else 1,
+        data_barrier=manager.data_barrier_for(first),
+    )
+    manager.attach(engine)
+    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first)
+    if first:
+        run_dir.create(
+            cfg,
+            {
+                "world_size": world,
+                "dp_size": world // tp,
+                "tp_size": tp,
+                "backend": backend,
+                "failover": True,
+            },
+        )
+        manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
+    try:
+        start_step = manager.join(engine)
+    except JobDone:
+        say(f"rank {rank}: the job finished before this rank could rejoin", flush=True)
+        return ExitCode.OK
+    if start_step > 0:
+        say(f"rank {rank} (incarnation {incarnation}) rejoined at step {start_step}", flush=True)
+    from megatron_mecefo.config.loader import to_dict
+
+    logger = MetricsLogger(
+        cfg.logging,
+        cfg.run_dir,
+        enabled=tp_rank == 0,
+        writer=lambda: manager.is_leader,
+        total_steps=cfg.training.max_steps,
+        start_step=start_step,
+        run_config=to_dict(cfg),
+    )
+    try:
+        summary = train(engine, logger, [manager], start_step=start_step)
+    finally:
+        logger.close()
+        manager.close()
+    if manager.is_leader:
+        run_dir.write_summary(summary)
+        from megatron_mecefo.train import print_summary
+
+        print_summary(summary, cfg.run_dir)
+    return ExitCode.OK

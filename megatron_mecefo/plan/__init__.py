@@ -1,0 +1,27 @@
+"""Step plans, the takeover planner and its cost model: pure data and logic, no torch.
+
+This package sits below `training/` (which runs plans), `mecefo/` (which computes degraded
+micro-batches) and `failover/` (which asks the planner for plans on membership changes).
+"""
+
+from megatron_mecefo.plan.cost import CostModel, FlopBreakdown, microbatch_flops
+from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
+from megatron_mecefo.plan.takeover import (
+    POLICIES,
+    make_step_plans,
+    neighbor_of,
+    plan_step_times,
+)
+
+__all__ = [
+    "POLICIES",
+    "CostModel",
+    "FlopBreakdown",
+    "MicroBatchTask",
+    "RankStepPlan",
+    "failure_free_plan",
+    "make_step_plans",
+    "microbatch_flops",
+    "neighbor_of",
+    "plan_step_times",
+]

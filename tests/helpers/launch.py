@@ -1,0 +1,133 @@
+"""Run a real `mecefo-launch` job (coordinator + per-node agent + trainer processes) on
+localhost for a test: free ports only, a hard timeout that kills the whole process group, and
+the run directory's files parsed for assertions."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    returncode: int
+    output: str
+    run_dir: Path
+    wall_s: float
+
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def losses(self) -> dict[int, float]:
+        return {m["step"]: m["loss"] for m in self.metrics()}
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def event_types(self) -> list[str]:
+        return [e["type"] for e in self.events()]
+
+    def summary(self) -> dict:
+        return json.loads((self.run_dir / "summary.json").read_text())
+
+    def state_digests(self) -> dict[int, dict]:
+        out = {}
+        for path in sorted((self.run_dir / "audit").glob("state_rank*.json")):
+            out[int(path.stem.removeprefix("state_rank"))] = json.loads(path.read_text())
+        return out
+
+    def committed_tasks(self) -> list[tuple[int, int, int]]:
+        """Every (step, source replica, micro-batch) any rank committed, with repeats."""
+        seen = []
+        for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                seen += [(row["step"], src, micro) for src, micro, _ in row["tasks"]]
+        return seen
+
+    def explain(self) -> str:
+        return f"exit {self.returncode} after {self.wall_s:.0f} s\n{self.output[-6000:]}"
+
+
+def launch(
+    tmp_path: Path,
+    demo_data_dir: str,
+    *,
+    nproc: int = 4,
+    steps: int = 16,
+    inject: tuple[str, ...] = (),
+    overrides: tuple[str, ...] = (),
+    launch_args: tuple[str, ...] = (),
+    timeout_s: float = 240,
+    name: str = "run",
+    while_running: Callable[[subprocess.Popen, Path], None] | None = None,
+) -> LaunchResult:
+    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run."""
+    run_dir = tmp_path / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.failover.agent",
+        "--nproc-per-node",
+        str(nproc),
+        "--restart-delay-s",
+        "0.5",
+        *launch_args,
+        "--",
+        "--config",
+        str(CONFIG),
+        "--max-steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        f"data.demo_dir={demo_data_dir}",
+        "failover.audit=true",
+        "logging.print_interval=1",
+        "training.eval_interval=0",
+        "training.micro_batch_size=4",
+        *overrides,
+    ]
+    for spec in inject:
+        cmd += ["--inject", spec]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    log_path = tmp_path / f"{name}.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
+        )
+        try:
+            if while_running is not None:
+                while_running(proc, run_dir)
+            rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            rc = -9
+        finally:
+            if proc.poll() is None or rc == -9:
+                _kill_group(proc)
+    output = log_path.read_text()
+    if rc == -9:
+        output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
+    return LaunchResult(rc, output, run_dir, time.monotonic() - start)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)

@@ -165,15 +165,27 @@ def print_summary(summary: dict, run_dir: str) -> None:
 
 
 def _failover_crash_code(exc: Exception, rank: int) -> int:
-    """An unexpected error under failover: a lost coordinator is a clean COORDINATOR_LOST exit,
-    anything else prints its traceback and exits FAILURE (the agent restarts the rank)."""
+    """An unexpected error under failover. A lost coordinator is a clean COORDINATOR_LOST exit;
+    an error because this replica left the membership (a TP peer died) is a one-line REJOIN exit;
+    anything else prints its traceback and exits FAILURE. The agent restarts REJOIN and FAILURE."""
     from megatron_mecefo.failover import keys
 
+    text = str(exc)
+    comm_error = any(w in text for w in ("gloo", "NCCL", "Connection", "Timed out"))
     try:
-        keys.get_int(keys.connect(os.environ["MECEFO_COORDINATOR"], 2.0), keys.GEN)
+        address = os.environ["MECEFO_COORDINATOR"]
+        removed = keys.wait_for_removal(address, rank, timeout_s=5.0 if comm_error else 0.0)
+        if removed is None:  # a genuine error here: tell the coordinator now, not by heartbeat
+            keys.report_dead(
+                keys.connect(address, 2.0), rank, int(os.environ["MECEFO_INCARNATION"])
+            )
     except Exception:  # noqa: BLE001 - unreachable, whatever the error type
         print(f"error: rank {rank}: coordinator unreachable ({exc})", file=sys.stderr, flush=True)
         return int(ExitCode.COORDINATOR_LOST)
+    if removed is not None:
+        line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"rank {rank}: left the membership ({removed}) after: {line}", flush=True)
+        return int(ExitCode.REJOIN)
     traceback.print_exception(exc)
     return int(ExitCode.FAILURE)
 

@@ -71,10 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="restarts per rank before the agent gives up on it",
     )
     p.add_argument(
-        "--warm-spare",
-        action=argparse.BooleanOptionalAction,
-        default=env("MECEFO_WARM_SPARE", "1") == "1",
-        help="keep one pre-imported spare process per node to replace a dead rank quickly",
+        "--warm-spares",
+        type=int,
+        default=int(env("MECEFO_WARM_SPARES", 1)),
+        help="pre-imported spare processes kept per node to replace dead ranks quickly (0: off)",
     )
     p.add_argument(
         "--coordinator-arg",
@@ -106,7 +106,7 @@ class Agent:
         self.restart_at: dict[int, tuple[float, int]] = {}  # rank -> (not before, job step)
         self.finished: set[int] = set()
         self.store = keys.connect(address, 10.0)
-        self.spare: subprocess.Popen | None = None
+        self.spares: list[subprocess.Popen] = []
 
     def log(self, msg: str) -> None:
         print(f"[agent {self.args.node_rank}] {msg}", flush=True)
@@ -122,9 +122,10 @@ class Agent:
         }
 
     def spawn(self, rank: int) -> None:
-        """Start `rank`: hand it to the warm spare if one is ready, else a fresh process."""
-        spare, self.spare = self.spare, None
-        if spare is not None and spare.poll() is None:
+        """Start `rank`: hand it to a warm spare if one is alive, else a fresh process."""
+        self.spares = [p for p in self.spares if p.poll() is None]
+        spare = self.spares.pop(0) if self.spares else None
+        if spare is not None:
             order = {"env": self._rank_env(rank), "args": list(self.args.trainer_args)}
             spare.stdin.write(json.dumps(order) + "\n")
             spare.stdin.close()
@@ -135,23 +136,26 @@ class Agent:
             cmd = [sys.executable, "-m", "megatron_mecefo.train", *self.args.trainer_args]
             self.procs[rank] = subprocess.Popen(cmd, env=env)
 
-    def _start_spare(self) -> None:
+    def _top_up_spares(self) -> None:
+        self.spares = [p for p in self.spares if p.poll() is None]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        self.spare = subprocess.Popen(
-            [sys.executable, "-m", "megatron_mecefo.failover.spare"],
-            env=env,
-            stdin=subprocess.PIPE,
-            text=True,
-        )
+        while len(self.spares) < self.args.warm_spares:
+            self.spares.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "megatron_mecefo.failover.spare"],
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    text=True,
+                )
+            )
 
     def run(self) -> int:
         self.store.add(keys.AGENTS_ACTIVE, 1)
         try:
             for rank in self.ranks:
                 self.spawn(rank)
-            if self.args.warm_spare:
-                self._start_spare()
+            self._top_up_spares()
             return self._watch()
         finally:
             self._stop_children()
@@ -198,14 +202,9 @@ class Agent:
             elif time.monotonic() >= not_before and keys.get_int(self.store, keys.JOB_STEP) >= step:
                 del self.restart_at[rank]
                 self.incarnation[rank] += 1
-                warm = self.spare is not None and self.spare.poll() is None
-                self.log(
-                    f"restarting rank {rank} (incarnation {self.incarnation[rank]}"
-                    f"{', warm spare' if warm else ''})"
-                )
+                self.log(f"restarting rank {rank} (incarnation {self.incarnation[rank]})")
                 self.spawn(rank)
-                if self.args.warm_spare:
-                    self._start_spare()
+                self._top_up_spares()
         return None
 
     def _maybe_evict(self, rank: int, proc: subprocess.Popen) -> None:
@@ -232,9 +231,10 @@ class Agent:
         self.log(f"rank {rank} (incarnation {inc}) died ({how}); restarting it {when}")
 
     def _stop_children(self) -> None:
-        if self.spare is not None and self.spare.poll() is None:
-            self.spare.stdin.close()  # EOF: the spare exits
-            self.procs[-1] = self.spare
+        for i, spare in enumerate(self.spares):
+            if spare.poll() is None:
+                spare.stdin.close()  # EOF: the spare exits
+                self.procs[-1 - i] = spare
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()

@@ -113,7 +113,8 @@ class Injector:
             back = max(step, job_step) + spec.down_steps
             self.store.set(keys.downtime(self.rank, self.incarnation), str(back))
         self.store.set(keys.injected(self.rank, self.incarnation), f"{spec.kind}:{time.time()}")
-        print(f"[inject] rank {self.rank}: {spec.kind} at step {step}", flush=True)
+        when = "during a rejoin" if step == AT_REJOIN else f"at step {step}"
+        print(f"[inject] rank {self.rank}: {spec.kind} {when}", flush=True)
         if spec.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif spec.kind == "hang":

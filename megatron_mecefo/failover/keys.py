@@ -127,6 +127,24 @@ def report_dead(store, rank: int, incarnation: int, epoch_s: float | None = None
     store.add(DEAD_SEQ, 1)
 
 
+def wait_for_removal(address: str, rank: int, timeout_s: float) -> str | None:
+    """Wait up to `timeout_s` for a generation without `rank`'s replica; its reason, or None.
+    Raises if the coordinator is unreachable."""
+    store = connect(address, 2.0)
+    reg = json.loads(store.get(registration(rank)))
+    replica = rank // int(reg["tp"])
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gen = get_int(store, GEN)
+        if gen > 0:
+            record = json.loads(store.get(gen_record(gen)))
+            if replica not in record["members"]:
+                return f"generation {gen}: replica {replica} removed"
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
 def get_int(store, key: str, default: int = 0) -> int:
     if not store.check([key]):
         return default

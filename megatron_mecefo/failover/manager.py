@@ -483,6 +483,8 @@ class FailoverManager(TrainHook):
         m = self.membership
         if m.group is not None:
             self._graveyard.append(m.group)
+        if gen != m.generation:
+            self.attempt = 0  # vote keys are per (generation, step, attempt)
         m.generation, m.members, m.group = gen, members, group
         self.collectives.reset()
 

@@ -48,7 +48,9 @@ def digest(engine: Any) -> dict[str, str]:
 
     def walk(obj: Any, h) -> None:
         if isinstance(obj, torch.Tensor):
-            h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(
+                obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            )
         elif isinstance(obj, dict):
             for k in sorted(obj, key=str):
                 h.update(str(k).encode())

@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                 cfg,
                 {
                     "world_size": ctx.world_size,
-                    "dp_size": ctx.dp_size,
+                    "dp_size": engine.membership.num_replicas,
                     "tp_size": ctx.tp_size,
                     "backend": ctx.backend,
                 },

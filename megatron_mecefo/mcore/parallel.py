@@ -21,17 +21,15 @@ from megatron_mecefo.mcore.config import ParallelConfig
 
 @dataclasses.dataclass
 class ParallelContext:
-    """This process's place in the job and the groups it talks on."""
+    """This process's place in the job: the static TP layout. Who trains alongside it (the DP
+    membership) is `failover.membership.Membership`, which can change during a run."""
 
     rank: int
     world_size: int
-    dp_rank: int
-    dp_size: int
     tp_rank: int
     tp_size: int
     backend: str
     device: torch.device
-    dp_group: dist.ProcessGroup
     tp_group: dist.ProcessGroup
     on_cpu: bool
 
@@ -76,15 +74,23 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     return ParallelContext(
         rank=dist.get_rank(),
         world_size=world,
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         tp_size=tp,
         backend=backend,
         device=device,
-        dp_group=ps.get_data_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
         on_cpu=on_cpu,
+    )
+
+
+def data_parallel_layout() -> tuple[int, int, dist.ProcessGroup]:
+    """(DP rank, DP size, DP group) of megatron's static layout (the no-failover membership)."""
+    from megatron.core import parallel_state as ps
+
+    return (
+        ps.get_data_parallel_rank(),
+        ps.get_data_parallel_world_size(),
+        ps.get_data_parallel_group(),
     )
 
 

@@ -23,7 +23,12 @@ from megatron_mecefo.data import DataBundle, MicroBatchSampler, check_vocab, pre
 from megatron_mecefo.failover.membership import Membership
 from megatron_mecefo.mcore import stack
 from megatron_mecefo.mcore.model import build_gpt_model
-from megatron_mecefo.mcore.parallel import ParallelContext, init_parallel, seed_everything
+from megatron_mecefo.mcore.parallel import (
+    ParallelContext,
+    data_parallel_layout,
+    init_parallel,
+    seed_everything,
+)
 from megatron_mecefo.mecefo import install_degraded_mode
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 from megatron_mecefo.training.lr_schedule import lr_at
@@ -274,7 +279,7 @@ def build_engine(
             global rank and `ctx.barrier`; failover passes store-based ones across replicas).
     """
     ctx = ctx or init_parallel(cfg.parallel)
-    membership = membership or Membership.static(ctx.dp_rank, ctx.dp_size, ctx.dp_group)
+    membership = membership or Membership.static(*data_parallel_layout())
     tc = cfg.training
     n = membership.num_replicas
     data = prepare_data(

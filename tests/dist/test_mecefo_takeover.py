@@ -51,7 +51,7 @@ def _worker(rank, demo_dir, overrides, steps, world, window, policy_in_window):
     )
     engine = build_engine(cfg)
     alive = [r for r in range(N) if r != DEAD][:world] if world < N else list(range(N))
-    me = alive[engine.ctx.dp_rank]  # logical replica index of this process
+    me = alive[engine.membership.replica]  # logical replica index of this process
     out = {"losses": [], "degraded": [], "grads": [], "params_exact": None}
     for step in range(steps):
         plan = None

@@ -1,0 +1,220 @@
+"""The coordinator's decisions, driven through a real in-process TCPStore: ranks are simulated
+by writing the keys a trainer and an agent write (registration, heartbeats, progress, deaths)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
+from megatron_mecefo.failover.manager import posted_events
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore(
+        "127.0.0.1",
+        0,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=10),
+    )
+
+
+def make(store, world=4, **kw):
+    cfg = DetectorConfig(
+        heartbeat_timeout_s=kw.pop("heartbeat_timeout_s", 5.0),
+        grace_s=kw.pop("grace_s", 0.0),
+        hang_timeout_floor_s=kw.pop("hang_timeout_floor_s", 5.0),
+        **kw,
+    )
+    return Coordinator(store, world, cfg, log=lambda m: None)
+
+
+def register(store, rank, inc=0, tp=1, world=4):
+    store.set(keys.progress(rank), f"{inc}:-1:idle")
+    store.add(keys.heartbeat(rank), 1)
+    reg = {"incarnation": inc, "pid": 1, "host": "h", "tp": tp, "world": world}
+    store.set(keys.registration(rank), json.dumps(reg))
+    store.add(keys.REG_SEQ, 1)
+
+
+def members(store):
+    gen = keys.get_int(store, keys.GEN)
+    return gen, json.loads(store.get(keys.gen_record(gen)))["members"] if gen else None
+
+
+def test_first_generation_waits_for_every_rank(store):
+    c = make(store)
+    for r in range(3):
+        register(store, r)
+    c.tick()
+    assert keys.get_int(store, keys.GEN) == 0
+    register(store, 3)
+    c.tick()
+    assert members(store) == (1, [0, 1, 2, 3])
+
+
+def test_reported_death_removes_replica_and_evicts_it(store):
+    c = make(store)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    store.set(keys.injected(2, 0), f"kill:{time.time() - 0.25}")
+    keys.report_dead(store, 2, 0)
+    c.tick()
+    assert members(store) == (2, [0, 1, 3])
+    assert store.get(keys.evict(2)) == b"0"
+    evs = posted_events(store)
+    fail = next(e for e in evs if e["type"] == "failure")
+    det = next(e for e in evs if e["type"] == "detection")
+    assert fail["dp_rank"] == 2 and "injected kill" in fail["detail"]
+    assert 250 <= det["latency_ms"] < 2000  # measured from the injection, not the report
+    record = json.loads(store.get(keys.gen_record(2)))
+    assert record["removed"] == [2] and record["failure_epoch_s"] < time.time() - 0.2
+
+
+def test_report_of_an_older_incarnation_is_ignored(store):
+    c = make(store)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    register(store, 1, inc=1)  # rank 1 restarted meanwhile (already re-registered)
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    assert members(store) == (1, [0, 1, 2, 3])
+
+
+def test_heartbeat_silence_is_a_death(store):
+    c = make(store, heartbeat_timeout_s=0.3)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        for r in (0, 1, 3):
+            store.add(keys.heartbeat(r), 1)
+        c.tick()
+        time.sleep(0.02)
+    assert members(store) == (2, [0, 1, 3])
+    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    assert "no heartbeat" in fail["detail"]
+
+
+def test_simultaneous_failures_land_in_one_generation(store):
+    c = make(store, grace_s=0.2)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    assert keys.get_int(store, keys.GEN) == 1  # still inside the grace window
+    keys.report_dead(store, 3, 0)
+    time.sleep(0.25)
+    c.tick()
+    assert members(store) == (2, [0, 2])
+
+
+def test_tp_replica_is_alive_only_with_all_its_ranks(store):
+    c = make(store)
+    for r in range(4):
+        register(store, r, tp=2)
+    c.tick()
+    assert members(store) == (1, [0, 1])
+    keys.report_dead(store, 3, 0)
+    c.tick()
+    assert members(store) == (2, [0])
+    assert store.get(keys.evict(2)) == b"0" and store.get(keys.evict(3)) == b"0"
+
+
+def test_restarted_replica_joins_once_all_its_ranks_registered(store):
+    c = make(store)
+    for r in range(4):
+        register(store, r, tp=2)
+    c.tick()
+    keys.report_dead(store, 3, 0)
+    c.tick()
+    register(store, 3, inc=1, tp=2)
+    c.tick()
+    assert members(store) == (2, [0])  # rank 2 (evicted incarnation 0) has not come back yet
+    register(store, 2, inc=1, tp=2)
+    c.tick()
+    assert members(store) == (3, [0, 1])
+    assert json.loads(store.get(keys.gen_record(3)))["added"] == [1]
+
+
+def test_hang_detected_when_others_wait_to_reduce(store):
+    c = make(store, hang_timeout_floor_s=0.3)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    for r in range(4):
+        store.set(keys.progress(r), f"0:5:{'compute' if r == 1 else 'reduce'}")
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        for r in range(4):
+            store.add(keys.heartbeat(r), 1)  # alive, but rank 1 never finishes its step
+        c.tick()
+        time.sleep(0.02)
+    assert members(store) == (2, [0, 2, 3])
+    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    assert fail["dp_rank"] == 1 and "hung in step 5" in fail["detail"]
+
+
+def test_no_hang_while_every_rank_computes(store):
+    c = make(store, hang_timeout_floor_s=0.2)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    for r in range(4):
+        store.set(keys.progress(r), "0:5:compute")  # a long step, everyone in it
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        for r in range(4):
+            store.add(keys.heartbeat(r), 1)
+        c.tick()
+        time.sleep(0.02)
+    assert keys.get_int(store, keys.GEN) == 1
+
+
+def test_losing_every_replica_aborts_the_job(store):
+    c = make(store, world=2)
+    for r in range(2):
+        register(store, r, world=2)
+    c.tick()
+    keys.report_dead(store, 0, 0)
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    assert b"no survivor holds the training state" in store.get(keys.ABORT)
+    assert keys.get_int(store, keys.GEN) == 1
+
+
+def test_min_replicas_quorum(store):
+    c = make(store, min_replicas=3)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    keys.report_dead(store, 0, 0)
+    c.tick()
+    assert members(store) == (2, [1, 2, 3])
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    assert b"below min_replicas" in store.get(keys.ABORT)
+
+
+def test_no_decisions_after_done(store):
+    c = make(store, heartbeat_timeout_s=0.1)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    store.set(keys.DONE, "1")
+    time.sleep(0.2)  # every heartbeat is now stale: ranks exiting at the end are not failures
+    c.tick()
+    assert keys.get_int(store, keys.GEN) == 1

@@ -1,4 +1,5 @@
-"""End-to-end: the real CLI under torchrun, and one clear error line per kind of bad input."""
+"""End-to-end: the real CLI through launch/local/run.sh (failover agent and plain torchrun), and
+one clear error line per kind of bad input."""
 
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def demo_dir(demo_data_dir):
 
 
 @pytest.mark.timeout(300)
-def test_torchrun_two_ranks_writes_run_dir(tmp_path, demo_dir):
+@pytest.mark.parametrize("launcher", ["failover", "torchrun"])
+def test_two_ranks_write_run_dir(tmp_path, demo_dir, launcher):
     run_dir = tmp_path / "run"
     cmd = [
         "bash",
@@ -55,7 +57,12 @@ def test_torchrun_two_ranks_writes_run_dir(tmp_path, demo_dir):
         "training.warmup_steps=2",
     ]
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=_env(NPROC="2"), capture_output=True, text=True, timeout=280
+        cmd,
+        cwd=ROOT,
+        env=_env(NPROC="2", MECEFO_LAUNCHER=launcher),
+        capture_output=True,
+        text=True,
+        timeout=280,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "done: 12 steps" in proc.stdout

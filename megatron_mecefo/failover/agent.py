@@ -107,6 +107,7 @@ class Agent:
         self.finished: set[int] = set()
         self.store = keys.connect(address, 10.0)
         self.spares: list[subprocess.Popen] = []
+        self.evicted: set[int] = set()  # ranks whose current incarnation was evicted
 
     def log(self, msg: str) -> None:
         print(f"[agent {self.args.node_rank}] {msg}", flush=True)
@@ -188,6 +189,7 @@ class Agent:
                 self._maybe_evict(rank, proc)
                 continue
             del self.procs[rank]
+            self.evicted.discard(rank)
             if rc == 0:
                 self.finished.add(rank)
                 continue
@@ -210,7 +212,9 @@ class Agent:
     def _maybe_evict(self, rank: int, proc: subprocess.Popen) -> None:
         key = keys.evict(rank)
         if self.store.check([key]) and int(self.store.get(key)) == self.incarnation[rank]:
-            self.log(f"rank {rank} was evicted by the coordinator; killing it")
+            if rank not in self.evicted:
+                self.log(f"rank {rank} was evicted by the coordinator; killing it")
+                self.evicted.add(rank)
             proc.kill()
 
     def _on_death(self, rank: int, rc: int, done: bool) -> None:

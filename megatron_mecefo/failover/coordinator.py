@@ -2,8 +2,8 @@
 
 It runs in its own small process (started by `mecefo-launch` on the head node), so no trainer's
 death takes the store down. Every tick it reads heartbeats, death reports and progress markers,
-declares ranks dead (reported exit, heartbeat silence, or a hang: computing a step that the others
-already wait to reduce, for longer than max(floor, factor x step time)), and publishes a new
+declares ranks dead (reported exit, heartbeat silence, or a hang: not moving while another member
+is ahead of it, for longer than max(floor, factor x step time)), and publishes a new
 *generation* (the alive replicas) after a short grace window, so simultaneous failures land in one
 decision. A replica is alive only if all its TP ranks are. Restarted replicas join the next
 generation once all their ranks have registered. It also writes `events.jsonl` for the run.
@@ -36,7 +36,7 @@ def _env_float(name: str, default: float) -> float:
 class DetectorConfig:
     """Detection and membership knobs (flags of mecefo-coordinator / mecefo-launch)."""
 
-    heartbeat_timeout_s: float = 1.5
+    heartbeat_timeout_s: float = 3.0
     """A rank whose heartbeat counter has not moved for this long is dead (SIGKILL, SIGSTOP)."""
     hang_timeout_floor_s: float = 10.0
     """Lower bound of the hang timeout (a rank computing while the others wait to reduce)."""
@@ -217,15 +217,17 @@ class Coordinator:
                 self.reported[rank] = (int(inc), float(epoch))
 
     def _is_hung(self, rank: int, progress: dict, now: float) -> bool:
+        """Another member is ahead of `rank` (a later step, or the same step's reduction) and
+        `rank` has not moved for the hang timeout. Everyone inside one long step is not a hang,
+        nor is a state transfer (phase idle)."""
         _, step, phase = progress[rank]
-        if phase != "compute":
+        if phase == "idle":  # joining / regrouping: bounded by the trainers' regroup timeout
             return False
-        waiting = any(
-            s > step or (s == step and ph == "reduce")
-            for r, (_, s, ph) in progress.items()
-            if r != rank
+        mine = (step, _PHASE_ORDER.get(phase, -1))
+        ahead = any(
+            (s, _PHASE_ORDER.get(ph, -1)) > mine for r, (_, s, ph) in progress.items() if r != rank
         )
-        return waiting and now - self.ranks[rank].progress_changed > self.hang_timeout_s()
+        return ahead and now - self.ranks[rank].progress_changed > self.hang_timeout_s()
 
     # ------------------------------------------------------------------ decisions
     def _decide(self, now: float) -> None:
@@ -351,6 +353,9 @@ class Coordinator:
             pass
         if self.writer is not None:
             self.writer.close()
+
+
+_PHASE_ORDER = {"idle": -1, "compute": 0, "reduce": 1}
 
 
 def _parse_progress(text: str) -> tuple[int, int, str]:

@@ -39,6 +39,8 @@ from megatron_mecefo.plan import CostModel, RankStepPlan, make_step_plans, micro
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.hooks import TrainHook
 
+_WAIT_SLICE = timedelta(milliseconds=20)
+
 
 class _Superseded(Exception):
     """A newer generation was published while we waited; retarget it."""
@@ -63,15 +65,15 @@ class AbortableCollectives:
         self.failed = None
 
     def all_reduce(self, tensor: torch.Tensor, group) -> bool:
-        if self.failed is not None:
-            return False
+        # issued even after a failure in this step: every member must run the same sequence of
+        # collectives on the group, or a later one would pair with a different one elsewhere
         self._manager.set_phase("reduce")
         stage = tensor.clone()  # an abandoned collective may still write into its buffer later
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         error = self._manager.wait_work(group.allreduce([stage], opts), "all-reduce")
         if error is not None:
-            self.failed = error
+            self.failed = self.failed or error
             return False
         tensor.copy_(stage)
         return True
@@ -130,6 +132,8 @@ class FailoverManager(TrainHook):
             "regroups": 0,
             "rejoin_bytes": 0,
             "rejoin_s": None,
+            "vote_s": 0.0,
+            "votes": 0,
         }
         self._started = time.monotonic()
 
@@ -200,8 +204,8 @@ class FailoverManager(TrainHook):
             gen, key = self._pending
             self._pending = None
             self._adopt(engine, gen, key)
-        self.injector.maybe_fire(step, self.membership.generation)
         self.set_phase("compute", step)
+        self.injector.maybe_fire(step, self.membership.generation)
         return self._plan(step)
 
     def after_step(self, engine, result, record: dict[str, Any]) -> None:
@@ -311,6 +315,8 @@ class FailoverManager(TrainHook):
 
             threading.Thread(target=waiter, name="mecefo-p2p-wait", daemon=True).start()
             work = _ThreadWork(done, errors)
+        if self.backend == "gloo" and not p2p:
+            return self._wait_gloo(work, what)
         delay, last_check = 0.0, time.monotonic()
         while not work.is_completed():
             time.sleep(delay)
@@ -326,6 +332,20 @@ class FailoverManager(TrainHook):
         except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
             return f"{what} failed: {str(exc).splitlines()[0]}"
         return None
+
+    def _wait_gloo(self, work, what: str) -> str | None:
+        """Gloo work honours `wait(timeout)` without breaking the collective: block in slices
+        (woken the moment it completes), checking the membership between slices."""
+        while True:
+            try:
+                work.wait(_WAIT_SLICE)
+                return None
+            except RuntimeError as exc:
+                if work.is_completed() or "timed out" not in str(exc).lower():
+                    return f"{what} failed: {str(exc).splitlines()[0]}"
+            lost = self._membership_lost()
+            if lost is not None:
+                return f"{what} abandoned: {lost}"
 
     def _membership_lost(self) -> str | None:
         """Whether a generation newer than ours dropped one of our members."""
@@ -343,18 +363,33 @@ class FailoverManager(TrainHook):
 
     # ------------------------------------------------------------------ commit vote
     def commit_vote(self, step: int, ok: bool) -> bool:
-        """Same verdict on every member: commit iff every member's reduction succeeded."""
+        """Same verdict on every member: commit iff every member's reduction succeeded.
+
+        TP = 1: one tiny all-reduce of the members' success flags (every member issues it, so
+        the collective sequence never diverges); a member that sees all of them succeed writes
+        `commit` with compare-and-set. TP > 1: a store counter over every rank of every member
+        (a TP slice's all-reduce cannot vouch for the other slices).
+        """
+        t0 = time.perf_counter()
         m = self.membership
         g, a = m.generation, self.attempt
         dkey = keys.decision(g, step, a)
+        latest = max(g, self.hb.latest_gen)
         verdict = None
-        if ok:
+        if self.tp == 1:
+            votes = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+            if m.all_reduce(votes) and ok and int(votes.item()) == m.size:
+                verdict = self.store.compare_set(dkey, "", f"commit:{latest}").decode()
+        elif ok:
             count = self.store.add(keys.vote(g, step, a), 1)
             if count == m.size * self.tp:
-                latest = max(g, self.hb.latest_gen)
                 verdict = self.store.compare_set(dkey, "", f"commit:{latest}").decode()
+            else:
+                verdict = self._await_decision(dkey, g, failed=False)
         if verdict is None:
-            verdict = self._await_decision(dkey, g, failed=not ok)
+            verdict = self._await_decision(dkey, g, failed=True)
+        self.stats["vote_s"] += time.perf_counter() - t0
+        self.stats["votes"] += 1
         kind, _, next_gen = verdict.partition(":")
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
@@ -544,6 +579,8 @@ class FailoverManager(TrainHook):
                 ranks=[self.rank],
                 generation=gen,
                 latency_ms=1000 * (time.monotonic() - self._started),
+                bytes=int(payload.numel()),
+                transfer_ms=1000 * elapsed,
                 detail=(
                     f"state of step {best} from replica {m.members[source]}: "
                     f"{payload.numel() / 1e6:.2f} MB in {1000 * elapsed:.0f} ms "

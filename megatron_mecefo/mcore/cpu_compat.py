@@ -3,7 +3,7 @@
 Megatron hard-codes `device="cuda"` in hundreds of places (schedules, DDP buffers, optimizer, clip
 grads, dist_checkpointing). `apply()` installs a TorchFunctionMode that rewrites CUDA device
 arguments to CPU, swaps the CUDA RNG tracker for a CPU one and stubs the few `torch.cuda` calls that
-have no tensor. It is applied only when CUDA is absent (`apply_if_needed`), and never on a GPU
+have no tensor. `init_parallel` applies it only when CUDA is absent, never on a GPU
 machine.
 
 Caveats (see shared/notes/megatron-core-on-cpu.md): the mode is thread-local, so threads the project
@@ -71,22 +71,6 @@ class _NoopCudaObject:
 
 
 _STATE: dict[str, Any] = {}  # process-wide: whether apply() ran and the mode object it entered
-
-
-def is_applied() -> bool:
-    return bool(_STATE.get("applied"))
-
-
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
-def apply_if_needed() -> bool:
-    """Apply the layer when CUDA is absent. Returns True if it is (now) active."""
-    if cuda_available():
-        return False
-    apply()
-    return True
 
 
 def apply() -> None:
@@ -158,37 +142,3 @@ def _stub_torch_cuda() -> None:
     c.memory_allocated = lambda *a, **k: 0
     c.max_memory_allocated = lambda *a, **k: 0
     c.reset_peak_memory_stats = lambda *a, **k: None
-
-
-def patch_distopt_torch_adam_checkpointing() -> None:
-    """Fix loading DistributedOptimizer checkpoints with the torch-Adam fallback (no TE/Apex).
-
-    Upstream (0.16.1) gives all params one shared `step` tensor that torch Adam increments in place
-    once per param, and writes into views of leaf params with grad enabled. Only needed to load.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if getattr(DistributedOptimizer, "_mecefo_patched", False):
-        return
-    orig_set = DistributedOptimizer._set_main_param_and_optimizer_states
-    orig_load = DistributedOptimizer.load_state_dict
-
-    @torch.no_grad()
-    def _set(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return orig_set(self, model_param, tensors)
-        group_index, order = self.model_param_group_index_map[model_param]
-        param = self.optimizer.param_groups[group_index]["params"][order]
-        for key, value in {"param": param, **self.optimizer.state[param]}.items():
-            if key != "step" and key in tensors:
-                value.copy_(tensors[key])
-
-    def load_state_dict(self, state_dict):
-        orig_load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if torch.is_tensor(state.get("step")):
-                state["step"] = state["step"].clone()
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = _set
-    DistributedOptimizer.load_state_dict = load_state_dict
-    DistributedOptimizer._mecefo_patched = True

@@ -130,8 +130,10 @@ class PlanGradReducer:
             else:
                 scale = torch.where(mask, self.attention_grad_scale, self.grad_scale)
                 grad.mul_(scale.to(grad.dtype))
-            if not self.membership.all_reduce(grad):
-                return  # recorded in membership.failed; the commit vote discards this step
+            # a failure is recorded in membership.failed (the commit vote then discards this
+            # step); the remaining buffers are still reduced so every member issues the same
+            # collectives
+            self.membership.all_reduce(grad)
 
 
 def install_grad_reducer(ddp, tcfg, reducer: PlanGradReducer) -> None:

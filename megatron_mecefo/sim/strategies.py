@@ -23,6 +23,12 @@ from megatron_mecefo.sim.matching import min_stack_after_failure, min_stack_fast
 STRATEGY_NAMES = ("ckpt", "replication", "spare", "mecefo", "snapshot")
 
 
+MECEFO_MEASURED_FAILOVER_S = 3.5
+"""Failure -> survivors training on the new membership, measured by `tools/bench/failover.py` on
+CPU/gloo (README): about 0.3-0.5 s when the dead process's agent reports it, about 3.3 s when only
+the 3 s heartbeat timeout can tell (SIGSTOP, node loss: the case that dominates on a cluster)."""
+
+
 @dataclass(kw_only=True)
 class StrategyConfig:
     """One fault-tolerance strategy and its knobs."""
@@ -42,8 +48,8 @@ class StrategyConfig:
     min_alive_fraction: float = 0.5
     """MeCeFO: below this fraction of live groups the job restarts instead of failing over."""
     failover_s: float | None = None
-    """Pause per masked failure (detection + regroup). null: 5 s for mecefo, 0 for spare and
-    replication (the SPARe paper's model)."""
+    """Pause per masked failure (detection + regroup). null: MECEFO_MEASURED_FAILOVER_S for mecefo,
+    0 for spare and replication (the SPARe paper's model)."""
     restart_s: float | None = None
     """Restart cost in seconds. null: the job's restart_s (T_r); snapshot: snapshot_restart_s."""
     snapshot_restart_s: float = 300.0
@@ -101,7 +107,7 @@ class Strategy:
         if config.name == "snapshot":
             default_restart = config.snapshot_restart_s
         self.restart_s = default_restart if config.restart_s is None else config.restart_s
-        default_failover = 5.0 if config.name == "mecefo" else 0.0
+        default_failover = MECEFO_MEASURED_FAILOVER_S if config.name == "mecefo" else 0.0
         self.failover_s = default_failover if config.failover_s is None else config.failover_s
 
     def reset(self) -> None:

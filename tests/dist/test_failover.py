@@ -106,10 +106,27 @@ def test_sigstop_hang_neighbor_takeover(tmp_path, demo_data_dir):
     failure = next(e for e in res.events() if e["type"] == "failure")
     assert failure["dp_rank"] == 1 and "heartbeat" in failure["detail"]
     detection = next(e for e in res.events() if e["type"] == "detection")
-    assert 1000 <= detection["latency_ms"] < 4000  # the heartbeat timeout (1.5 s) decides
+    assert 3000 <= detection["latency_ms"] < 6000  # the heartbeat timeout (3 s) decides
     takeover = next(e for e in res.events() if e["type"] == "takeover")
     # MeCeFO neighbour: replica 2 runs its own and replica 1's micro-batches, all degraded
     assert '"2": [4, 4]' in takeover["detail"], takeover
+
+
+def test_stalled_step_detected_by_hang_timeout(tmp_path, demo_data_dir):
+    steps = 24
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("stall:3:5:3",),  # the step never finishes; heartbeats go on
+        launch_args=("--coordinator-arg=--hang-timeout-floor-s=2",),
+    )
+    assert_recovered(res, steps=steps)
+    failure = next(e for e in res.events() if e["type"] == "failure")
+    assert failure["dp_rank"] == 3 and "hung in step 5" in failure["detail"], failure
+    detection = next(e for e in res.events() if e["type"] == "detection")
+    assert 2000 <= detection["latency_ms"] < 6000  # the hang timeout floor decides
+    assert "evicted by the coordinator" in res.output  # its agent SIGKILLed the stalled rank
 
 
 def test_exception_then_two_simultaneous_kills_hybrid(tmp_path, demo_data_dir):
@@ -124,7 +141,11 @@ def test_exception_then_two_simultaneous_kills_hybrid(tmp_path, demo_data_dir):
     )
     fo = assert_recovered(res, steps=steps, min_failures=3, min_rejoins=3)
     assert fo["steps_degraded"] > 0
-    failed = Counter(e["dp_rank"] for e in res.events() if e["type"] == "failure")
+    # (on an overloaded 2-core box a starved heartbeat can add a false positive; it is handled
+    # like any failure, so count only the injected ones)
+    failed = Counter(
+        e["dp_rank"] for e in res.events() if e["type"] == "failure" and "injected" in e["detail"]
+    )
     assert failed == Counter({3: 1, 1: 1, 2: 1})
     gens = [e for e in res.events() if e["type"] == "regroup" and "removed [1, 2]" in e["detail"]]
     assert gens, "the two kills at the same step were decided in one generation"

@@ -182,3 +182,23 @@ def test_preprocess_user_jsonl_then_train(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["final_val_loss"] is not None
     assert summary["entropy_floor_nats_per_token"] is None  # only the demo corpus has a floor
+
+
+@pytest.mark.timeout(120)
+def test_bad_injection_is_one_error_line(tmp_path):
+    proc = _train([f"--run-dir={tmp_path / 'r'}", "--dry-run", "--inject", "explode:1:2"])
+    _assert_clean_error(proc, 2, "expected KIND:RANK:STEP", tmp_path / "r")
+
+
+@pytest.mark.timeout(120)
+def test_scenario_with_a_kind_real_runs_cannot_inject(tmp_path):
+    bad = tmp_path / "s.yaml"
+    bad.write_text("injections:\n  - {step: 3, dp_rank: 0, kind: network}\n")
+    proc = _train([f"--run-dir={tmp_path / 'r'}", "--dry-run", "--failures", str(bad)])
+    _assert_clean_error(proc, 2, "cannot be injected into a real run", tmp_path / "r")
+
+
+@pytest.mark.timeout(120)
+def test_injection_needs_the_failover_launcher(tmp_path):
+    proc = _train([f"--run-dir={tmp_path / 'r'}", "--inject", "kill:0:3"])
+    _assert_clean_error(proc, 2, "need failover", tmp_path / "r")

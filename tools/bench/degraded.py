@@ -156,8 +156,7 @@ class EngineRank:
         batch = self.engine.train_sampler.get(0, 0, 0)
         dev = self.engine.ctx.device
         args = (batch["tokens"].to(dev), batch["position_ids"].to(dev))
-        if self.controller is not None:
-            self.controller.set_degraded(degraded)
+        self.controller.set_degraded(degraded)
         try:
             if torch.cuda.is_available():
                 sync()
@@ -173,8 +172,7 @@ class EngineRank:
                 self.model(*args, None, labels=batch["labels"].to(dev))
             return sum(saved.values())
         finally:
-            if self.controller is not None:
-                self.controller.set_degraded(False)
+            self.controller.set_degraded(False)
 
 
 def sync() -> None:

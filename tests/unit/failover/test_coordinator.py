@@ -218,3 +218,19 @@ def test_no_decisions_after_done(store):
     time.sleep(0.2)  # every heartbeat is now stale: ranks exiting at the end are not failures
     c.tick()
     assert keys.get_int(store, keys.GEN) == 1
+
+
+def test_hang_detected_when_a_rank_lags_a_whole_step(store):
+    c = make(store, hang_timeout_floor_s=0.3)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    for r in range(4):  # rank 3 never started step 5; the others wait in its reduction
+        store.set(keys.progress(r), "0:4:reduce" if r == 3 else "0:5:reduce")
+    deadline = time.monotonic() + 0.6
+    while time.monotonic() < deadline:
+        for r in range(4):
+            store.add(keys.heartbeat(r), 1)
+        c.tick()
+        time.sleep(0.02)
+    assert members(store) == (2, [0, 1, 2])

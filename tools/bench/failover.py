@@ -1,0 +1,212 @@
+"""Failover benchmark: detection, regroup and rejoin latencies, work lost per failure, and the
+failure-free overhead of the failover manager. Real processes, real signals.
+
+    python tools/bench/failover.py                     # CPU: tiny model, 4 ranks over gloo
+    python tools/bench/failover.py --quick --out bench_out/failover.json
+
+1. Failure runs (`mecefo-launch`, 4 ranks): SIGKILL, SIGSTOP (hang) and an exception, each at step
+   10, back after 5 steps. From events.jsonl and summary.json: detection and regroup latency (from
+   the failure), rejoin time and state bytes/MB/s, steps redone, samples lost.
+2. Overhead: the same failure-free job (2 ranks) under `mecefo-launch` (heartbeats, abortable
+   reductions on staging copies, commit vote) and under plain torchrun (megatron's DP group),
+   interleaved A/B/A/B; median step time after warm-up. On a 2-core machine the processes
+   time-share, so compare the two in one run and read the ratio, not the absolute times.
+
+Prints a table and writes JSON. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+SCENARIOS = {"kill": "kill:2:10:5", "hang": "hang:1:10:5", "exception": "exception:3:10:5"}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--steps", type=int, default=40, help="steps of each failure run")
+    p.add_argument("--overhead-steps", type=int, default=200, help="steps of each overhead run")
+    p.add_argument("--repeats", type=int, default=2, help="A/B pairs of overhead runs")
+    p.add_argument("--quick", action="store_true", help="fewer steps, one A/B pair")
+    p.add_argument("--skip-failures", action="store_true", help="only the overhead runs")
+    p.add_argument("--demo-dir", default=".cache/demo_data")
+    p.add_argument("--out", default="bench_out/failover.json")
+    return p.parse_args()
+
+
+def _run(launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, extra=()) -> dict:
+    train_args = [
+        "--config",
+        str(CONFIG),
+        "--max-steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        f"data.demo_dir={demo_dir}",
+        "training.eval_interval=0",
+        "logging.print_interval=0",
+        *extra,
+    ]
+    if launcher == "failover":
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_mecefo.failover.agent",
+            "--nproc-per-node",
+            str(nproc),
+            "--",
+            *train_args,
+        ]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "megatron_mecefo.train",
+            *train_args,
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        sys.exit(
+            f"error: {launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+            f"{proc.stderr[-3000:]}"
+        )
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    events_path = run_dir / "events.jsonl"
+    events = (
+        [json.loads(x) for x in events_path.read_text().splitlines()]
+        if (events_path.exists())
+        else []
+    )
+    return {
+        "wall_s": time.monotonic() - start,
+        "metrics": metrics,
+        "events": events,
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+    }
+
+
+def failure_row(kind: str, res: dict) -> dict:
+    ev = res["events"]
+    first = {
+        t: next((e for e in ev if e["type"] == t), None)
+        for t in ("failure", "detection", "regroup", "rejoin")
+    }
+    fo = res["summary"]["failover"]
+    rejoin = first["rejoin"]
+    detail = rejoin["detail"] if rejoin else ""
+    return {
+        "kind": kind,
+        "detection_ms": first["detection"]["latency_ms"] if first["detection"] else None,
+        "regroup_ms": first["regroup"]["latency_ms"] if first["regroup"] else None,
+        "rejoin_ms": rejoin["latency_ms"] if rejoin else None,
+        "rejoin_state_mb": rejoin["bytes"] / 1e6 if rejoin else None,
+        "rejoin_transfer_ms": rejoin["transfer_ms"] if rejoin else None,
+        "rejoin_detail": detail,
+        "steps_redone": fo["steps_redone"],
+        "samples_lost": fo["samples_lost"],
+        "steps_completed": res["summary"]["steps"],
+    }
+
+
+def median_step_s(res: dict, skip: int = 20) -> float:
+    return statistics.median(m["step_time_s"] for m in res["metrics"] if m["step"] >= skip)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.quick:
+        args.steps, args.overhead_steps, args.repeats = 30, 80, 1
+    sys.path.insert(0, str(ROOT))
+    from megatron_mecefo.data.config import DataConfig
+    from megatron_mecefo.data.demo import ensure_demo_corpus
+
+    d = DataConfig()
+    ensure_demo_corpus(
+        args.demo_dir,
+        num_documents=d.demo_num_documents,
+        seed=d.demo_seed,
+        vocab_size=d.demo_vocab_size,
+    )
+    tmp = Path(tempfile.mkdtemp(prefix="mecefo-bench-failover-"))
+    rows = []
+    for kind, spec in {} if args.skip_failures else SCENARIOS.items():
+        print(f"[bench] failure run: {kind} ({spec}), {args.steps} steps, 4 ranks", flush=True)
+        res = _run("failover", 4, args.steps, tmp / kind, args.demo_dir, ["--inject", spec])
+        rows.append(failure_row(kind, res))
+    overhead = {"failover": [], "torchrun": []}
+    vote_ms = []
+    for i in range(args.repeats):
+        for launcher in ("failover", "torchrun"):
+            print(f"[bench] overhead run {i + 1}/{args.repeats}: {launcher}", flush=True)
+            res = _run(launcher, 2, args.overhead_steps, tmp / f"oh_{launcher}_{i}", args.demo_dir)
+            overhead[launcher].append(median_step_s(res))
+            if launcher == "failover":
+                fo = res["summary"]["failover"]
+                vote_ms.append(1000 * fo["vote_s"] / max(fo["votes"], 1))
+    fo_s = statistics.median(overhead["failover"])
+    tr_s = statistics.median(overhead["torchrun"])
+    print()
+    print(
+        f"{'failure':<10} {'detect ms':>9} {'regroup ms':>10} {'rejoin ms':>9} "
+        f"{'state MB':>8} {'xfer ms':>7} {'redone':>6} {'lost':>4}"
+    )
+    for r in rows:
+
+        def f(v, fmt):
+            return format(v, fmt) if v is not None else "-"
+
+        print(
+            f"{r['kind']:<10} {f(r['detection_ms'], '9.0f')} {f(r['regroup_ms'], '10.0f')} "
+            f"{f(r['rejoin_ms'], '9.0f')} {f(r['rejoin_state_mb'], '8.2f')} "
+            f"{f(r['rejoin_transfer_ms'], '7.0f')} {r['steps_redone']:>6} "
+            f"{r['samples_lost']:>4}"
+        )
+    print()
+    print(
+        f"failure-free step time, 2 ranks, median of {args.repeats} runs x "
+        f"{args.overhead_steps - 20} steps: mecefo-launch {1000 * fo_s:.2f} ms, torchrun "
+        f"{1000 * tr_s:.2f} ms, overhead {100 * (fo_s / tr_s - 1):+.1f}%"
+    )
+    out = {
+        "machine": os.uname().nodename,
+        "cpus": os.cpu_count(),
+        "failures": rows,
+        "overhead": {
+            "failover_step_s": overhead["failover"],
+            "torchrun_step_s": overhead["torchrun"],
+            "overhead_fraction": fo_s / tr_s - 1,
+            "vote_ms_per_step": vote_ms,
+        },
+        "sim_inputs": {
+            "failover_s": statistics.mean(
+                [r["regroup_ms"] / 1000 for r in rows if r["regroup_ms"] is not None] or [0.0]
+            ),
+        },
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

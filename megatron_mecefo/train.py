@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="validate the config and print it resolved, then exit",
     )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # key=value overrides may come before or after flags
 
 
 def load_run_config(args: argparse.Namespace):
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             "--inject/--failures need failover: launch with mecefo-launch "
             "(launch/local/run.sh), not plain torchrun"
         )
+    from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
     from megatron_mecefo.mcore.parallel import init_parallel
     from megatron_mecefo.metrics.logger import MetricsLogger
     from megatron_mecefo.training.engine import build_engine
@@ -91,10 +92,21 @@ def run(args: argparse.Namespace) -> int:
     from megatron_mecefo.training.run_dir import RunDir
 
     ctx = init_parallel(cfg.parallel)
-    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite) if ctx.is_rank0 else None
     say = print if ctx.is_rank0 else (lambda *a, **k: None)
+    resuming = find_resume(cfg.checkpoint, cfg.run_dir) is not None
+    run_dir = (
+        RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=resuming) if ctx.is_rank0 else None
+    )
+    ckpt = CheckpointManager(
+        cfg.checkpoint,
+        cfg.run_dir,
+        max_steps=cfg.training.max_steps,
+        tp_size=ctx.tp_size,
+        log=lambda m: say(m, flush=True),
+    )
     try:
         engine = build_engine(cfg, ctx, log=lambda m: say(m, flush=True))
+        start_step = ckpt.resume(engine)
         if run_dir is not None:
             run_dir.create(
                 cfg,
@@ -104,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
                     "tp_size": ctx.tp_size,
                     "backend": ctx.backend,
                 },
+                resume_step=start_step,
             )
     except BaseException:
         if run_dir is not None:
@@ -114,10 +127,11 @@ def run(args: argparse.Namespace) -> int:
         cfg.run_dir,
         enabled=ctx.is_rank0,
         total_steps=cfg.training.max_steps,
+        start_step=start_step,
         run_config=to_dict(cfg),
     )
     try:
-        summary = train(engine, logger)
+        summary = train(engine, logger, [ckpt], start_step=start_step)
     finally:
         logger.close()
     if run_dir is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_mecefo.checkpoint.config import CheckpointConfig
 from megatron_mecefo.data.config import DataConfig
 from megatron_mecefo.failover.config import FailoverConfig
 from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
@@ -32,6 +33,8 @@ class RunConfig:
     """Metric sinks."""
     mecefo: MecefoConfig = dataclasses.field(default_factory=MecefoConfig)
     """MeCeFO degraded-mode switches and takeover policy."""
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Disk checkpoints (megatron dist_checkpointing) and resume."""
     failover: FailoverConfig = dataclasses.field(default_factory=FailoverConfig)
     """Heartbeats, timeouts and auditing of the failover manager (active under mecefo-launch)."""
 

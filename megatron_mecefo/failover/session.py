@@ -40,6 +40,7 @@ def init_replica_parallel(cfg, address: str, replica: int, tp_rank: int, tp: int
 
 def run_with_failover(cfg, args, say) -> int:
     """The whole life of one trainer process under failover; returns its exit code."""
+    from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
     from megatron_mecefo.metrics.logger import MetricsLogger
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
@@ -73,8 +74,10 @@ def run_with_failover(cfg, args, say) -> int:
     )
     manager.register()
     replica, tp_rank = divmod(rank, tp)
-    ctx = init_replica_parallel(cfg, address, replica, tp_rank, tp, incarnation)
     first = rank == 0 and incarnation == 0
+    resuming = find_resume(cfg.checkpoint, cfg.run_dir) is not None
+    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=resuming)
+    ctx = init_replica_parallel(cfg, address, replica, tp_rank, tp, incarnation)
     lead_say = say if first else (lambda *a, **k: None)
     engine = build_engine(
         cfg,
@@ -85,7 +88,16 @@ def run_with_failover(cfg, args, say) -> int:
         data_barrier=manager.data_barrier_for(first),
     )
     manager.attach(engine)
-    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first)
+    ckpt = CheckpointManager(
+        cfg.checkpoint,
+        cfg.run_dir,
+        max_steps=cfg.training.max_steps,
+        tp_size=tp,
+        saves_here=lambda: manager.membership.members[0] == manager.replica,
+        log=lambda m: print(f"[checkpoint] rank {rank}: {m}", flush=True),
+    )
+    if incarnation == 0:  # a fresh job start: every replica loads the same checkpoint, if any
+        manager.next_step = ckpt.resume(engine)
     if first:
         run_dir.create(
             cfg,
@@ -96,6 +108,7 @@ def run_with_failover(cfg, args, say) -> int:
                 "backend": backend,
                 "failover": True,
             },
+            resume_step=manager.next_step,
         )
         manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
     try:
@@ -117,7 +130,7 @@ def run_with_failover(cfg, args, say) -> int:
         run_config=to_dict(cfg),
     )
     try:
-        summary = train(engine, logger, [manager], start_step=start_step)
+        summary = train(engine, logger, [manager, ckpt], start_step=start_step)
     finally:
         logger.close()
         manager.close()

@@ -26,20 +26,28 @@ _PACKAGES = ("torch", "megatron-core", "numpy", "sentencepiece", "megatron-mecef
 class RunDir:
     """Owns one run directory on rank 0."""
 
-    def __init__(self, path: str | Path, *, overwrite: bool):
+    def __init__(self, path: str | Path, *, overwrite: bool, resuming: bool = False):
         self.path = Path(path)
         self.created = False
-        if (self.path / "metrics.jsonl").exists() and not overwrite:
+        if (self.path / "metrics.jsonl").exists() and not (overwrite or resuming):
             raise ConfigError(
-                f"run_dir {self.path} already holds a run; choose another --run-dir or pass "
-                "overwrite=true to replace it"
+                f"run_dir {self.path} already holds a run and no valid checkpoint to resume; "
+                "choose another --run-dir or pass overwrite=true to replace it"
             )
 
-    def create(self, config: Any, extra_env: dict[str, Any]) -> None:
+    def create(self, config: Any, extra_env: dict[str, Any], *, resume_step: int = 0) -> None:
+        """Write config and environment. A fresh run (`resume_step` 0) drops a previous run's
+        metrics, events and summary; a resumed one keeps its metrics and events up to
+        `resume_step` (rows of steps it will redo are dropped) and only drops the summary."""
         self.created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
-        for stale in ("metrics.jsonl", "events.jsonl", "summary.json"):
-            (self.path / stale).unlink(missing_ok=True)
+        stale = (
+            ("summary.json",) if resume_step else ("metrics.jsonl", "events.jsonl", "summary.json")
+        )
+        for name in stale:
+            (self.path / name).unlink(missing_ok=True)
+        if resume_step:
+            _truncate_metrics(self.path / "metrics.jsonl", resume_step)
         (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         env = {**environment_info(), **extra_env}
         (self.path / "env.json").write_text(json.dumps(env, indent=2))
@@ -53,6 +61,15 @@ class RunDir:
         """Remove the directory if this process created it (set-up failed before step 0)."""
         if self.created and self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _truncate_metrics(path: Path, next_step: int) -> None:
+    """Keep the metric rows of steps before `next_step` (a crashed run may have logged more)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip()]
+    keep = [line for line in keep if json.loads(line).get("step", 0) < next_step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def environment_info() -> dict[str, Any]:

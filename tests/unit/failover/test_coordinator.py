@@ -46,6 +46,16 @@ def register(store, rank, inc=0, tp=1, world=4):
     store.add(keys.REG_SEQ, 1)
 
 
+def run_ticks(c, store, *, beating, seconds):
+    """Tick the coordinator for `seconds` while the `beating` ranks keep heartbeating."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for r in beating:
+            store.add(keys.heartbeat(r), 1)
+        c.tick()
+        time.sleep(0.02)
+
+
 def members(store):
     gen = keys.get_int(store, keys.GEN)
     return gen, json.loads(store.get(keys.gen_record(gen)))["members"] if gen else None
@@ -97,12 +107,7 @@ def test_heartbeat_silence_is_a_death(store):
     for r in range(4):
         register(store, r)
     c.tick()
-    deadline = time.monotonic() + 0.6
-    while time.monotonic() < deadline:
-        for r in (0, 1, 3):
-            store.add(keys.heartbeat(r), 1)
-        c.tick()
-        time.sleep(0.02)
+    run_ticks(c, store, beating=(0, 1, 3), seconds=0.6)
     assert members(store) == (2, [0, 1, 3])
     fail = next(e for e in posted_events(store) if e["type"] == "failure")
     assert "no heartbeat" in fail["detail"]
@@ -157,12 +162,7 @@ def test_hang_detected_when_others_wait_to_reduce(store):
     c.tick()
     for r in range(4):
         store.set(keys.progress(r), f"0:5:{'compute' if r == 1 else 'reduce'}")
-    deadline = time.monotonic() + 0.6
-    while time.monotonic() < deadline:
-        for r in range(4):
-            store.add(keys.heartbeat(r), 1)  # alive, but rank 1 never finishes its step
-        c.tick()
-        time.sleep(0.02)
+    run_ticks(c, store, beating=range(4), seconds=0.6)  # alive, but rank 1 never finishes its step
     assert members(store) == (2, [0, 2, 3])
     fail = next(e for e in posted_events(store) if e["type"] == "failure")
     assert fail["dp_rank"] == 1 and "hung in step 5" in fail["detail"]
@@ -175,12 +175,7 @@ def test_no_hang_while_every_rank_computes(store):
     c.tick()
     for r in range(4):
         store.set(keys.progress(r), "0:5:compute")  # a long step, everyone in it
-    deadline = time.monotonic() + 0.5
-    while time.monotonic() < deadline:
-        for r in range(4):
-            store.add(keys.heartbeat(r), 1)
-        c.tick()
-        time.sleep(0.02)
+    run_ticks(c, store, beating=range(4), seconds=0.5)
     assert keys.get_int(store, keys.GEN) == 1
 
 
@@ -227,10 +222,5 @@ def test_hang_detected_when_a_rank_lags_a_whole_step(store):
     c.tick()
     for r in range(4):  # rank 3 never started step 5; the others wait in its reduction
         store.set(keys.progress(r), "0:4:reduce" if r == 3 else "0:5:reduce")
-    deadline = time.monotonic() + 0.6
-    while time.monotonic() < deadline:
-        for r in range(4):
-            store.add(keys.heartbeat(r), 1)
-        c.tick()
-        time.sleep(0.02)
+    run_ticks(c, store, beating=range(4), seconds=0.6)
     assert members(store) == (2, [0, 1, 2])

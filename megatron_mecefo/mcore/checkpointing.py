@@ -1,0 +1,104 @@
+"""megatron-core `dist_checkpointing` for the whole training state: model and optimizer as sharded
+tensors (resharding across TP on load), the RNG states as one sharded object per TP rank, and the
+next step. Synchronous or asynchronous (background writer processes) save.
+
+Collective over torch.distributed's default group: every rank of that group calls these together
+(under failover that group is one replica's TP ranks, so one replica saves for the job).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.mcore.parallel import rng_states, set_rng_states
+
+
+def _sharded_state(engine: Any, next_step: int, *, is_loading: bool, with_rng: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sd = engine.ddp.module.sharded_state_dict()
+    state = {
+        "model": model_sd,
+        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "next_step": next_step,
+    }
+    if with_rng:
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        state["rng"] = ShardedObject(
+            "rng_state",
+            rng_states(),
+            (tp,),
+            (tp_rank,),
+            replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
+        )
+    return state
+
+
+def save(engine: Any, folder: str, next_step: int, *, async_save: bool):
+    """Write the state into `folder` (must exist). Returns an AsyncRequest when `async_save`."""
+    from megatron.core import dist_checkpointing
+
+    state = _sharded_state(engine, next_step, is_loading=False, with_rng=True)
+    return dist_checkpointing.save(state, folder, async_sharded_save=async_save)
+
+
+def load(engine: Any, folder: str, *, with_rng: bool = True) -> int:
+    """Load `folder` into the engine (model, optimizer, RNG); returns the next step to run.
+
+    `with_rng=False` keeps this process's RNG (a checkpoint written with another TP size has no
+    RNG shard for this rank's layout).
+    """
+    from megatron.core import dist_checkpointing
+
+    state = _sharded_state(engine, 0, is_loading=True, with_rng=with_rng)
+    loaded = dist_checkpointing.load(state, folder)
+    engine.ddp.module.load_state_dict(loaded["model"])
+    engine.optimizer.load_state_dict(loaded["optimizer"])
+    if with_rng:
+        set_rng_states(loaded["rng"])
+    engine.controller.clear_caches()
+    return int(loaded["next_step"])
+
+
+class AsyncSaves:
+    """The queue of in-flight async saves; `poll` finalizes the finished ones (all ranks of the
+    default group call it at the same points: it agrees on completion with a collective)."""
+
+    def __init__(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+        self._queue = AsyncCallsQueue()
+
+    def schedule(self, request, on_done: Callable[[], None]) -> None:
+        request.add_finalize_fn(on_done)
+        self._queue.schedule_async_request(request)
+
+    def poll(self, *, blocking: bool = False) -> int:
+        """Finalize completed saves (or wait for all with `blocking`); returns how many finished."""
+        return len(self._queue.maybe_finalize_async_calls(blocking=blocking))
+
+    @property
+    def pending(self) -> int:
+        return self._queue.get_num_unfinalized_calls()
+
+    def close(self) -> None:
+        self._queue.close()
+
+
+def default_group_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

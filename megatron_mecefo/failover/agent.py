@@ -178,7 +178,7 @@ class Agent:
                 code = None
             if code is not None:
                 return code
-            time.sleep(0.05)
+            time.sleep(0.1)
         return int(ExitCode.OK)
 
     def _tick(self) -> int | None:

@@ -1,12 +1,13 @@
 """`mecefo-coordinator`: serves the job's TCPStore and is the single membership authority.
 
 It runs in its own small process (started by `mecefo-launch` on the head node), so no trainer's
-death takes the store down. Every tick it reads heartbeats, death reports and progress markers,
-declares ranks dead (reported exit, heartbeat silence, or a hang: not moving while another member
-is ahead of it, for longer than max(floor, factor x step time)), and publishes a new
-*generation* (the alive replicas) after a short grace window, so simultaneous failures land in one
-decision. A replica is alive only if all its TP ranks are. Restarted replicas join the next
-generation once all their ranks have registered. It also writes `events.jsonl` for the run.
+death takes the store down. Every 50 ms it reads death reports (every 100 ms heartbeats and
+progress markers), declares ranks dead (reported exit, heartbeat silence, or a hang: not moving
+while another member is ahead of it, for longer than max(floor, factor x step time)), and
+publishes a new *generation* (the alive replicas) after a short grace window, so simultaneous
+failures land in one decision. A replica is alive only if all its TP ranks are. Restarted
+replicas join the next generation once all their ranks have registered. It also writes
+`events.jsonl` for the run.
 
 Split brain: the coordinator is the only authority. Trainers that lose it exit
 (COORDINATOR_LOST); a replica it removed is fenced (evicted by its agent, then rejoins).
@@ -48,8 +49,8 @@ class DetectorConfig:
     """Abort if not every rank registered within this time at start."""
     min_replicas: int = 1
     """Abort the job (JOB_ABORTED) if fewer replicas than this would remain."""
-    poll_s: float = 0.02
-    """Tick period."""
+    poll_s: float = 0.05
+    """Tick period (heartbeats and progress are read every other tick)."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_timeout_s", "hang_timeout_floor_s", "start_timeout_s", "poll_s"):
@@ -91,6 +92,7 @@ class Coordinator:
         self.writer: EventWriter | None = None
         self.next_event = 1
         self._reg_seq = -1
+        self._ticks = 0
         self._dead_seq = -1
         self.reported: dict[int, tuple[int, float]] = {}  # rank -> (incarnation, failure epoch)
 
@@ -109,8 +111,10 @@ class Coordinator:
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
         now = time.monotonic()
+        self._ticks += 1
         self._read_registrations()
-        self._read_heartbeats(now)
+        if self._ticks % 2 == 0 or self.gen == 0:
+            self._read_heartbeats(now)
         if self.aborted or self.store.check([keys.DONE]):
             self._drain_events()  # finished: exits are not failures any more
             return

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 import time
 from datetime import timedelta
@@ -132,9 +133,8 @@ class FailoverManager(TrainHook):
             "regroups": 0,
             "rejoin_bytes": 0,
             "rejoin_s": None,
-            "vote_s": 0.0,
-            "votes": 0,
         }
+        self._vote_times: list[float] = []  # commit vote wall time per step (incl. waiting)
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------ start-up
@@ -340,9 +340,13 @@ class FailoverManager(TrainHook):
             try:
                 work.wait(_WAIT_SLICE)
                 return None
-            except RuntimeError as exc:
-                if work.is_completed() or "timed out" not in str(exc).lower():
-                    return f"{what} failed: {str(exc).splitlines()[0]}"
+            except RuntimeError:
+                if work.is_completed():  # finished meanwhile, or failed: ask it which
+                    try:
+                        work.wait()
+                        return None
+                    except RuntimeError as exc:
+                        return f"{what} failed: {str(exc).splitlines()[0]}"
             lost = self._membership_lost()
             if lost is not None:
                 return f"{what} abandoned: {lost}"
@@ -388,8 +392,7 @@ class FailoverManager(TrainHook):
                 verdict = self._await_decision(dkey, g, failed=False)
         if verdict is None:
             verdict = self._await_decision(dkey, g, failed=True)
-        self.stats["vote_s"] += time.perf_counter() - t0
-        self.stats["votes"] += 1
+        self._vote_times.append(time.perf_counter() - t0)
         kind, _, next_gen = verdict.partition(":")
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
@@ -618,6 +621,9 @@ class FailoverManager(TrainHook):
                 round(e["latency_ms"], 1) for e in by_type.get("regroup", []) if "latency_ms" in e
             ],
             "final_generation": self.membership.generation,
+            "vote_ms_median": (
+                round(1000 * statistics.median(self._vote_times), 3) if self._vote_times else None
+            ),
         }
 
     def close(self) -> None:

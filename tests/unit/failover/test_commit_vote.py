@@ -20,6 +20,10 @@ from megatron_mecefo.failover.manager import FailoverManager
 
 pytestmark = pytest.mark.timeout(60)
 N = 3
+# Groups whose collective was abandoned still hold gloo work until their timeout; destroying one
+# blocks until then (the product keeps them too and ends with os._exit). Never let the garbage
+# collector destroy them in the middle of a later test.
+_KEEP_ALIVE: list = []
 
 
 @dataclasses.dataclass
@@ -64,6 +68,7 @@ def _setup(tp):
         threads = [threading.Thread(target=build, args=(m,)) for m in ranks]
         [t.start() for t in threads]
         [t.join(20) for t in threads]
+    _KEEP_ALIVE.append((store, ranks))
     return store, ranks
 
 

@@ -93,9 +93,11 @@ def run(args: argparse.Namespace) -> int:
 
     ctx = init_parallel(cfg.parallel)
     say = print if ctx.is_rank0 else (lambda *a, **k: None)
-    resuming = find_resume(cfg.checkpoint, cfg.run_dir) is not None
+    found = find_resume(cfg.checkpoint, cfg.run_dir, lambda m: say(m, flush=True))
     run_dir = (
-        RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=resuming) if ctx.is_rank0 else None
+        RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=found is not None)
+        if ctx.is_rank0
+        else None
     )
     ckpt = CheckpointManager(
         cfg.checkpoint,
@@ -106,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         engine = build_engine(cfg, ctx, log=lambda m: say(m, flush=True))
-        start_step = ckpt.resume(engine)
+        start_step = ckpt.resume(engine, found)
         if run_dir is not None:
             run_dir.create(
                 cfg,

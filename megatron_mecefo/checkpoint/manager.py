@@ -64,11 +64,11 @@ class CheckpointManager(TrainHook):
         return self.cfg.interval > 0
 
     # ------------------------------------------------------------------ resume
-    def resume(self, engine) -> int:
-        """Load the checkpoint `cfg.resume` selects; the next step to run (0 when none)."""
+    def resume(self, engine, found: tuple[Path, dict] | None) -> int:
+        """Load `found` (from `find_resume`: validated once, before the engine was built);
+        returns the next step to run (0 when there is nothing to resume)."""
         from megatron_mecefo.mcore import checkpointing
 
-        found = find_resume(self.cfg, str(self.root.parent), self.log)
         if found is None:
             return 0
         folder, marker = found

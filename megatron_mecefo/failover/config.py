@@ -21,6 +21,8 @@ class FailoverConfig:
     failure_wait_s: float = 3.0
     """After a collective fails, how long to wait for the coordinator to publish a new membership
     before redoing the step on the same membership (a transient error)."""
+    start_timeout_s: float = 1800.0
+    """Bound on waiting for rank 0 to prepare the data and for the first generation to form."""
     regroup_timeout_s: float = 120.0
     """Give up (DISTRIBUTED_ERROR) if no usable membership forms within this time."""
     transfer_timeout_s: float = 120.0
@@ -36,6 +38,7 @@ class FailoverConfig:
             "heartbeat_interval_s",
             "coordinator_timeout_s",
             "failure_wait_s",
+            "start_timeout_s",
             "regroup_timeout_s",
             "transfer_timeout_s",
         ):

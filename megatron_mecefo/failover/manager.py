@@ -167,14 +167,23 @@ class FailoverManager(TrainHook):
     def join(self, engine) -> int:
         """Wait for a generation that includes this replica, form it, sync state.
 
-        Returns the first step to run. Raises `JobDone` if the job ended meanwhile.
+        Returns the first step to run. Raises `JobDone` if the job ended meanwhile, and
+        `QuorumTimeoutError` if no generation includes this replica within the regroup timeout
+        (for instance its TP peer never came back; the agent restarts this rank).
         """
+        wait_s = self.fcfg.start_timeout_s if self.incarnation == 0 else self.fcfg.regroup_timeout_s
+        deadline = time.monotonic() + wait_s
         while True:
             gen = keys.get_int(self.store, keys.GEN)
             if self.store.check([keys.DONE]):
                 raise JobDone()
             if gen > 0 and self.replica in self._record(gen)["members"]:
                 break
+            if time.monotonic() > deadline:
+                raise QuorumTimeoutError(
+                    f"replica {self.replica} was not admitted within {wait_s:.0f} s "
+                    "(failover.start_timeout_s / regroup_timeout_s)"
+                )
             time.sleep(0.02)
         self._adopt(engine, gen, f"pg/{gen}")
         return self.next_step
@@ -190,7 +199,7 @@ class FailoverManager(TrainHook):
             if is_builder:
                 self.store.set(key, "1")
                 return
-            deadline = time.monotonic() + self.fcfg.regroup_timeout_s
+            deadline = time.monotonic() + self.fcfg.start_timeout_s
             while not self.store.check([key]):
                 if time.monotonic() > deadline:
                     raise QuorumTimeoutError("timed out waiting for rank 0 to prepare the data")

@@ -75,8 +75,10 @@ def run_with_failover(cfg, args, say) -> int:
     manager.register()
     replica, tp_rank = divmod(rank, tp)
     first = rank == 0 and incarnation == 0
-    resuming = find_resume(cfg.checkpoint, cfg.run_dir) is not None
-    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=resuming)
+    # only a fresh job start (every rank's first incarnation) resumes from disk; a restarted rank
+    # takes the state from a live peer
+    found = find_resume(cfg.checkpoint, cfg.run_dir, print) if incarnation == 0 else None
+    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=found is not None)
     ctx = init_replica_parallel(cfg, address, replica, tp_rank, tp, incarnation)
     lead_say = say if first else (lambda *a, **k: None)
     engine = build_engine(
@@ -96,8 +98,7 @@ def run_with_failover(cfg, args, say) -> int:
         saves_here=lambda: manager.membership.members[0] == manager.replica,
         log=lambda m: print(f"[checkpoint] rank {rank}: {m}", flush=True),
     )
-    if incarnation == 0:  # a fresh job start: every replica loads the same checkpoint, if any
-        manager.next_step = ckpt.resume(engine)
+    manager.next_step = ckpt.resume(engine, found)
     if first:
         run_dir.create(
             cfg,

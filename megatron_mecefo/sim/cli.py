@@ -20,7 +20,11 @@ from megatron_mecefo.sim.failures import FailureProcess
 from megatron_mecefo.sim.planner import PlanConfig, plan
 from megatron_mecefo.sim.scenario import injections_to_trace, load_scenario
 from megatron_mecefo.sim.simulator import JobConfig, simulate_all, trace_for_job
-from megatron_mecefo.sim.strategies import STRATEGY_NAMES, StrategyConfig
+from megatron_mecefo.sim.strategies import (
+    MEASURED_NEIGHBOR_STEP_RATIO,
+    STRATEGY_NAMES,
+    StrategyConfig,
+)
 
 DEFAULT_STRATEGIES = (
     "ckpt,snapshot,replication:3,spare:8,mecefo:neighbor,mecefo:spread,mecefo:hybrid"
@@ -77,7 +81,12 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--distribution", choices=["exponential", "weibull"], help="override law")
     f.add_argument("--seed", type=int, default=0, help="trace seed (0)")
     s = p.add_argument_group("strategy inputs")
-    s.add_argument("--neighbor-step-ratio", type=float, default=1.56, help="MeCeFO (1.56)")
+    s.add_argument(
+        "--neighbor-step-ratio",
+        type=float,
+        default=MEASURED_NEIGHBOR_STEP_RATIO,
+        help=f"MeCeFO neighbour step ratio (measured {MEASURED_NEIGHBOR_STEP_RATIO})",
+    )
     s.add_argument("--snapshot-restart-s", type=float, default=300.0, help="snapshot (300)")
 
 

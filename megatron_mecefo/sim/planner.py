@@ -16,7 +16,11 @@ from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.sim import spare
 from megatron_mecefo.sim.failures import FailureProcess
 from megatron_mecefo.sim.simulator import JobConfig, SimResult, simulate, trace_for_job
-from megatron_mecefo.sim.strategies import STRATEGY_NAMES, StrategyConfig
+from megatron_mecefo.sim.strategies import (
+    MEASURED_NEIGHBOR_STEP_RATIO,
+    STRATEGY_NAMES,
+    StrategyConfig,
+)
 
 
 @dataclass(kw_only=True)
@@ -33,7 +37,7 @@ class PlanConfig:
     """First trace seed."""
     mecefo_policies: list[str] = field(default_factory=lambda: ["neighbor", "spread", "hybrid"])
     """MeCeFO takeover policies to try."""
-    neighbor_step_ratio: float = 1.56
+    neighbor_step_ratio: float = MEASURED_NEIGHBOR_STEP_RATIO
     """MeCeFO degraded neighbour step time ratio (measured by the trainer benchmark)."""
     snapshot_restart_s: float = 300.0
     """Restart cost from the in-memory snapshot (from the snapshot benchmark)."""

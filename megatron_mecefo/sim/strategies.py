@@ -23,6 +23,11 @@ from megatron_mecefo.sim.matching import min_stack_after_failure, min_stack_fast
 STRATEGY_NAMES = ("ckpt", "replication", "spare", "mecefo", "snapshot")
 
 
+MEASURED_NEIGHBOR_STEP_RATIO = 1.51
+"""Step time of a MeCeFO neighbour (own + a dead replica's micro-batches, degraded) over a normal
+rank's, measured by `tools/bench/degraded.py` (real `Engine.train_step`, `small` model, CPU;
+README). The paper's FLOP estimate is ~1.56."""
+
 MECEFO_MEASURED_FAILOVER_S = 3.5
 """Failure -> survivors training on the new membership, measured by `tools/bench/failover.py` on
 CPU/gloo (README): about 0.3-0.5 s when the dead process's agent reports it, about 3.3 s when only
@@ -40,7 +45,7 @@ class StrategyConfig:
     """r for replication (copies of each shard) and SPARe (stack depth); r <= N."""
     takeover_policy: Literal["neighbor", "spread", "hybrid"] = "hybrid"
     """MeCeFO: who runs a dead group's micro-batches (DESIGN.md section 3)."""
-    neighbor_step_ratio: float = 1.56
+    neighbor_step_ratio: float = MEASURED_NEIGHBOR_STEP_RATIO
     """MeCeFO: step time of a neighbour covering one dead group (2M micro-batches, degraded mode)
     over a normal step; one degraded micro-batch costs neighbor_step_ratio / 2 of an exact one."""
     microbatches_per_rank: int = 8

@@ -16,17 +16,16 @@ import torch.distributed as dist
 from megatron_mecefo.errors import DistributedSetupError, ExitCode
 from megatron_mecefo.failover import inject, keys
 from megatron_mecefo.failover.manager import FailoverManager, JobDone
+from megatron_mecefo.mcore.parallel import resolve_backend
 
 
-def init_replica_parallel(cfg, address: str, replica: int, tp_rank: int, tp: int, inc: int):
+def init_replica_parallel(
+    cfg, backend: str, address: str, replica: int, tp_rank: int, tp: int, inc: int
+):
     """Default process group = this replica's TP ranks; then megatron's groups (DP = 1)."""
     from megatron_mecefo.mcore.parallel import init_parallel
 
-    on_cpu = not torch.cuda.is_available()
-    backend = (
-        cfg.parallel.backend if cfg.parallel.backend != "auto" else ("gloo" if on_cpu else "nccl")
-    )
-    if not on_cpu:
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     if tp == 1:
@@ -58,9 +57,7 @@ def run_with_failover(cfg, args, say) -> int:
     if args.failures:
         specs += inject.from_scenario(args.failures, tp)
     inject.check_ranks(specs, world)
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = resolve_backend(cfg.parallel)
     manager = FailoverManager(
         cfg,
         address=address,
@@ -79,7 +76,7 @@ def run_with_failover(cfg, args, say) -> int:
     # takes the state from a live peer
     found = find_resume(cfg.checkpoint, cfg.run_dir, print) if incarnation == 0 else None
     run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=found is not None)
-    ctx = init_replica_parallel(cfg, address, replica, tp_rank, tp, incarnation)
+    ctx = init_replica_parallel(cfg, backend, address, replica, tp_rank, tp, incarnation)
     lead_say = say if first else (lambda *a, **k: None)
     engine = build_engine(
         cfg,

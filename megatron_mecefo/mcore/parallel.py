@@ -41,14 +41,25 @@ class ParallelContext:
         dist.barrier()
 
 
+def resolve_backend(cfg: ParallelConfig) -> str:
+    """`parallel.backend` with auto resolved: nccl with CUDA, gloo without.
+
+    Raises:
+        DistributedSetupError: nccl asked for on a machine without CUDA.
+    """
+    on_cpu = not torch.cuda.is_available()
+    backend = cfg.backend if cfg.backend != "auto" else ("gloo" if on_cpu else "nccl")
+    if backend == "nccl" and on_cpu:
+        raise DistributedSetupError("backend 'nccl' needs CUDA; use parallel.backend=gloo on CPU")
+    return backend
+
+
 def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     """Initialise the default process group (if needed) and megatron's model-parallel groups."""
     from megatron.core import parallel_state as ps
 
     on_cpu = not torch.cuda.is_available()
-    backend = cfg.backend if cfg.backend != "auto" else ("gloo" if on_cpu else "nccl")
-    if backend == "nccl" and on_cpu:
-        raise DistributedSetupError("backend 'nccl' needs CUDA; use parallel.backend=gloo on CPU")
+    backend = resolve_backend(cfg)
     if on_cpu:
         device = torch.device("cpu")
     else:  # NCCL binds communicators to the current device: set it before the group exists

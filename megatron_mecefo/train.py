@@ -189,12 +189,10 @@ def _failover_crash_code(exc: Exception, rank: int) -> int:
     text = str(exc)
     comm_error = any(w in text for w in ("gloo", "NCCL", "Connection", "Timed out"))
     try:
-        address = os.environ["MECEFO_COORDINATOR"]
-        removed = keys.wait_for_removal(address, rank, timeout_s=5.0 if comm_error else 0.0)
+        store = keys.connect(os.environ[keys.COORDINATOR_ENV], 2.0)
+        removed = keys.wait_for_removal(store, rank, timeout_s=5.0 if comm_error else 0.0)
         if removed is None:  # a genuine error here: tell the coordinator now, not by heartbeat
-            keys.report_dead(
-                keys.connect(address, 2.0), rank, int(os.environ["MECEFO_INCARNATION"])
-            )
+            keys.report_dead(store, rank, int(os.environ.get(keys.INCARNATION_ENV, 0)))
     except Exception:  # noqa: BLE001 - unreachable, whatever the error type
         print(f"error: rank {rank}: coordinator unreachable ({exc})", file=sys.stderr, flush=True)
         return int(ExitCode.COORDINATOR_LOST)

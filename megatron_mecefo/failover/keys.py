@@ -127,10 +127,9 @@ def report_dead(store, rank: int, incarnation: int, epoch_s: float | None = None
     store.add(DEAD_SEQ, 1)
 
 
-def wait_for_removal(address: str, rank: int, timeout_s: float) -> str | None:
+def wait_for_removal(store, rank: int, timeout_s: float) -> str | None:
     """Wait up to `timeout_s` for a generation without `rank`'s replica; its reason, or None.
     Raises if the coordinator is unreachable."""
-    store = connect(address, 2.0)
     reg = json.loads(store.get(registration(rank)))
     replica = rank // int(reg["tp"])
     deadline = time.monotonic() + timeout_s

@@ -30,6 +30,10 @@ class ExitCode(enum.IntEnum):
     restarts it and it rejoins from a live peer's state."""
     JOB_ABORTED = 8
     """The coordinator aborted the job: too few replicas left, or no survivor holds the state."""
+    PREEMPTED = 9
+    """A stop was requested (SIGUSR1 to `mecefo-launch` or to the trainers, e.g. Slurm's warning
+    before the time limit): every rank stopped at the same step after a final checkpoint. Requeue
+    the job to resume from it."""
 
 
 class MecefoError(Exception):

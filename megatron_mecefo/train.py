@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Pretrain a Megatron-Core GPT with MeCeFO fault tolerance.",
         epilog="Overrides use dotted keys, e.g. training.lr=1e-3 model=llama-350m "
         "parallel.tensor_model_parallel_size=2. Exit codes: 0 ok, 1 internal error, 2 config, "
-        "3 data, 4 distributed, 5 checkpoint.",
+        "3 data, 4 distributed, 5 checkpoint, 9 stopped on request (SIGUSR1) after a final "
+        "checkpoint.",
     )
     p.add_argument(
         "--config", required=True, help="run config YAML (e.g. configs/run/demo_cpu.yaml)"
@@ -90,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
     from megatron_mecefo.training.run_dir import RunDir
+    from megatron_mecefo.training.stop import StopFlag, StopRequest
 
+    stop_flag = StopFlag().install()
     ctx = init_parallel(cfg.parallel)
     say = print if ctx.is_rank0 else (lambda *a, **k: None)
     found = find_resume(cfg.checkpoint, cfg.run_dir, lambda m: say(m, flush=True))
@@ -133,14 +136,21 @@ def run(args: argparse.Namespace) -> int:
         run_config=to_dict(cfg),
     )
     try:
-        summary = train(engine, logger, [ckpt], start_step=start_step)
+        summary = train(
+            engine, logger, [StopRequest(stop_flag, ctx.world_size), ckpt], start_step=start_step
+        )
     finally:
         logger.close()
     if run_dir is not None:
         run_dir.write_summary(summary)
         print_summary(summary, cfg.run_dir)
     engine.close()
-    return ExitCode.OK
+    return exit_code_of(summary)
+
+
+def exit_code_of(summary: dict) -> ExitCode:
+    """OK, or PREEMPTED when the run stopped early on request (a final checkpoint was saved)."""
+    return ExitCode.OK if summary.get("stopped_at") is None else ExitCode.PREEMPTED
 
 
 def _check_injections(args: argparse.Namespace, cfg) -> None:
@@ -176,6 +186,12 @@ def print_summary(summary: dict, run_dir: str) -> None:
             f"{fo['steps_redone']} step(s) redone, {fo['steps_degraded']} step(s) with degraded "
             f"micro-batches, samples lost {fo['samples_lost']}, detection ms {fo['detection_ms']}, "
             f"regroup ms {fo['regroup_ms']}"
+        )
+    if summary.get("stopped_at") is not None:
+        print(
+            f"  stopped on request after step {summary['stopped_at'] - 1} with a final checkpoint;"
+            " relaunch (or requeue) the same command to resume",
+            flush=True,
         )
     print(f"  metrics: {run_dir}/metrics.jsonl", flush=True)
 

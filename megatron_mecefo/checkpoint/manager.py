@@ -88,10 +88,13 @@ class CheckpointManager(TrainHook):
 
     # ------------------------------------------------------------------ hook
     def after_step(self, engine, result, record: dict[str, Any]) -> None:
+        next_step = result.step + 1
+        if record.get("stop_requested"):  # the final checkpoint of a stop, even with interval 0
+            self.save(engine, next_step)
+            return
         if not self.enabled:
             return
         self._poll(blocking=False)
-        next_step = result.step + 1
         if next_step % self.cfg.interval == 0 or next_step == self.max_steps:
             self.save(engine, next_step)
 

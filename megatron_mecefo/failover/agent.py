@@ -108,6 +108,8 @@ class Agent:
         self.store = keys.connect(address, 10.0)
         self.spares: list[subprocess.Popen] = []
         self.evicted: set[int] = set()  # ranks whose current incarnation was evicted
+        self.stop_reason: str | None = None  # set by SIGUSR1; posted to the store once
+        self.preempted = False  # a rank exited PREEMPTED (stopped on request after a checkpoint)
 
     def log(self, msg: str) -> None:
         print(f"[agent {self.args.node_rank}] {msg}", flush=True)
@@ -135,7 +137,7 @@ class Agent:
             env = {**os.environ, **self._rank_env(rank)}
             env.setdefault("OMP_NUM_THREADS", "1")
             cmd = [sys.executable, "-m", "megatron_mecefo.train", *self.args.trainer_args]
-            self.procs[rank] = subprocess.Popen(cmd, env=env)
+            self.procs[rank] = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_stop_signal)
 
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
@@ -148,6 +150,7 @@ class Agent:
                     env=env,
                     stdin=subprocess.PIPE,
                     text=True,
+                    preexec_fn=_ignore_stop_signal,
                 )
             )
 
@@ -179,10 +182,17 @@ class Agent:
             if code is not None:
                 return code
             time.sleep(0.1)
-        return int(ExitCode.OK)
+        return int(ExitCode.PREEMPTED if self.preempted else ExitCode.OK)
+
+    def request_stop(self, reason: str) -> None:
+        """Called from the signal handler: only records it (the store is used in `_tick`)."""
+        self.stop_reason = self.stop_reason or reason
 
     def _tick(self) -> int | None:
-        done = self.store.check([keys.DONE])
+        if self.stop_reason is not None and not self.store.check([keys.STOP]):
+            self.log(f"stop requested ({self.stop_reason}): ranks checkpoint and stop")
+            self.store.set(keys.STOP, f"node {self.args.node_rank}: {self.stop_reason}")
+        done = self.store.check([keys.DONE]) or self.store.check([keys.STOP])
         for rank, proc in list(self.procs.items()):
             rc = proc.poll()
             if rc is None:
@@ -190,8 +200,9 @@ class Agent:
                 continue
             del self.procs[rank]
             self.evicted.discard(rank)
-            if rc == 0:
+            if rc in (ExitCode.OK, ExitCode.PREEMPTED):
                 self.finished.add(rank)
+                self.preempted = self.preempted or rc == ExitCode.PREEMPTED
                 continue
             if rc in FATAL:
                 self.log(f"rank {rank} exited with {ExitCode(rc).name}; stopping this node")
@@ -251,6 +262,12 @@ class Agent:
                 proc.wait()
 
 
+def _ignore_stop_signal() -> None:
+    """Children start with SIGUSR1 ignored (a stop request to the whole Slurm step must not kill
+    a process before it installs its own handler; trainers install one, the rest ignore it)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
     """The coordinator in its own session (a signal to the agent's group does not reach it)."""
     port_file = Path(tempfile.mkdtemp(prefix="mecefo-coord-")) / "port"
@@ -266,7 +283,7 @@ def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subproce
         str(port_file),
         *extra,
     ]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_ignore_stop_signal)
     deadline = time.monotonic() + 60
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -289,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: agent.request_stop("SIGUSR1"))
     try:
         code = agent.run()
     finally:

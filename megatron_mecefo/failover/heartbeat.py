@@ -16,12 +16,21 @@ import time
 
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover import keys
+from megatron_mecefo.training.stop import StopFlag
 
 
 class Heartbeat(threading.Thread):
     """Daemon thread; its own store client (TCPStore clients are not shared across threads)."""
 
-    def __init__(self, address: str, rank: int, *, interval_s: float, coordinator_timeout_s: float):
+    def __init__(
+        self,
+        address: str,
+        rank: int,
+        *,
+        interval_s: float,
+        coordinator_timeout_s: float,
+        stop_flag: StopFlag | None = None,
+    ):
         super().__init__(name=f"mecefo-heartbeat-{rank}", daemon=True)
         self.address = address
         self.rank = rank
@@ -32,6 +41,9 @@ class Heartbeat(threading.Thread):
         self.progress = "idle"
         """`<incarnation>:<step>:<phase>`, set by the main thread; published when it changes."""
         self.beats = 0
+        self.stop_flag = stop_flag or StopFlag()
+        """A local stop request (SIGUSR1) is posted to the store; a posted one sets the flag."""
+        self._stop_posted = False
         self._stop = threading.Event()
         self._store = keys.connect(address, coordinator_timeout_s)
         self._store.add(keys.heartbeat(rank), 1)
@@ -50,6 +62,7 @@ class Heartbeat(threading.Thread):
                 if self._store.check([keys.ABORT]):
                     reason = self._store.get(keys.ABORT).decode()
                     self._exit(ExitCode.JOB_ABORTED, f"the coordinator aborted the job: {reason}")
+                self._sync_stop()
                 self.beats += 1
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - any store failure counts as unreachable
@@ -59,6 +72,14 @@ class Heartbeat(threading.Thread):
                         f"coordinator unreachable for {self.coordinator_timeout_s:.1f} s ({exc})",
                     )
                 self._reconnect()
+
+    def _sync_stop(self) -> None:
+        if self.stop_flag.is_set and not self._stop_posted:
+            self._store.set(keys.STOP, f"rank {self.rank}: {self.stop_flag.reason}")
+            self._stop_posted = True
+        elif not self.stop_flag.is_set and self._store.check([keys.STOP]):
+            self.stop_flag.request(self._store.get(keys.STOP).decode())
+            self._stop_posted = True
 
     def _reconnect(self) -> None:
         try:

@@ -39,6 +39,7 @@ from megatron_mecefo.failover.membership import Membership
 from megatron_mecefo.plan import CostModel, RankStepPlan, make_step_plans, microbatch_flops
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.hooks import TrainHook
+from megatron_mecefo.training.stop import StopFlag
 
 _WAIT_SLICE = timedelta(milliseconds=20)
 
@@ -94,6 +95,7 @@ class FailoverManager(TrainHook):
         incarnation: int,
         backend: str,
         injections=(),
+        stop_flag: StopFlag | None = None,
         log=print,
     ):
         self.cfg = cfg
@@ -117,6 +119,8 @@ class FailoverManager(TrainHook):
         )
         self.injector = Injector(injections, self.store, rank, incarnation)
         self.hb: Heartbeat | None = None
+        self.stop_flag = stop_flag or StopFlag()
+        self._stop_after: int | None = None
         self.attempt = 0
         self.next_step = 0
         self.has_state = incarnation == 0
@@ -153,6 +157,7 @@ class FailoverManager(TrainHook):
             self.rank,
             interval_s=self.fcfg.heartbeat_interval_s,
             coordinator_timeout_s=self.fcfg.coordinator_timeout_s,
+            stop_flag=self.stop_flag,
         )
         self.store.set(keys.registration(self.rank), json.dumps(reg))
         self.store.add(keys.REG_SEQ, 1)
@@ -229,6 +234,9 @@ class FailoverManager(TrainHook):
         record["global_microbatches"] = result.global_microbatches
         if self.fcfg.audit and self.tp_rank == 0:
             self._log_tasks(engine, result.step, plan)
+
+    def should_stop(self, engine, result) -> bool:
+        return self._stop_after == result.step
 
     def on_step_aborted(self, engine, result) -> None:
         self.stats["steps_redone"] += 1
@@ -389,23 +397,27 @@ class FailoverManager(TrainHook):
         dkey = keys.decision(g, step, a)
         latest = max(g, self.hb.latest_gen)
         verdict = None
+        # the writer of the decision also decides a requested stop, so every member agrees on it
+        commit = f"commit:{latest}:stop" if self.stop_flag.is_set else f"commit:{latest}"
         if self.tp == 1:
             votes = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
             if m.all_reduce(votes) and ok and int(votes.item()) == m.size:
-                verdict = self.store.compare_set(dkey, "", f"commit:{latest}").decode()
+                verdict = self.store.compare_set(dkey, "", commit).decode()
         elif ok:
             count = self.store.add(keys.vote(g, step, a), 1)
             if count == m.size * self.tp:
-                verdict = self.store.compare_set(dkey, "", f"commit:{latest}").decode()
+                verdict = self.store.compare_set(dkey, "", commit).decode()
             else:
                 verdict = self._await_decision(dkey, g, failed=False)
         if verdict is None:
             verdict = self._await_decision(dkey, g, failed=True)
         self._vote_times.append(time.perf_counter() - t0)
-        kind, _, next_gen = verdict.partition(":")
+        kind, next_gen, *flags = verdict.split(":")
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
             self.attempt = 0
+            if "stop" in flags:
+                self._stop_after = step
         else:
             self.attempt += 1
             why = self.collectives.failed or "another member's reduction failed"

@@ -58,6 +58,9 @@ def run_with_failover(cfg, args, say) -> int:
         specs += inject.from_scenario(args.failures, tp)
     inject.check_ranks(specs, world)
     backend = resolve_backend(cfg.parallel)
+    from megatron_mecefo.training.stop import StopFlag
+
+    stop_flag = StopFlag().install()
     manager = FailoverManager(
         cfg,
         address=address,
@@ -67,6 +70,7 @@ def run_with_failover(cfg, args, say) -> int:
         incarnation=incarnation,
         backend=backend,
         injections=specs,
+        stop_flag=stop_flag,
         log=lambda m: print(m, flush=True),
     )
     manager.register()
@@ -137,4 +141,6 @@ def run_with_failover(cfg, args, say) -> int:
         from megatron_mecefo.train import print_summary
 
         print_summary(summary, cfg.run_dir)
-    return ExitCode.OK
+    from megatron_mecefo.train import exit_code_of
+
+    return exit_code_of(summary)

@@ -26,5 +26,11 @@ class TrainHook:
     def on_step_aborted(self, engine: Any, result: Any) -> None:
         """Called on every member when a step was not committed; the loop redoes it next."""
 
+    def should_stop(self, engine: Any, result: Any) -> bool:
+        """Called on every rank after a committed step, before `after_step`: True ends the run
+        after this step (a stop was requested; every rank must return the same answer). The
+        loop then marks the metrics row `stop_requested` so a checkpoint hook saves."""
+        return False
+
     def on_train_end(self, engine: Any, summary: dict[str, Any]) -> None:
         """Called once after the last step."""

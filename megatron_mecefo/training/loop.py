@@ -25,6 +25,7 @@ def train(
     flops_per_token = engine.cfg.model.flops_per_token()
     losses, val_losses, tok_rates = [], [], []
     step = start_step
+    stopped_at = None
     while step < tc.max_steps:
         plan = next((p for h in hooks if (p := h.plan_for_step(engine, step)) is not None), None)
         result = engine.train_step(step, plan)
@@ -45,7 +46,10 @@ def train(
         util = mfu(tokens_per_s, flops_per_token, engine.ctx.world_size, peak)
         if util is not None:
             record["mfu"] = util
-        last = step == tc.max_steps - 1
+        stop = any([h.should_stop(engine, result) for h in hooks])  # every hook, every rank
+        if stop:
+            record["stop_requested"] = True
+        last = step == tc.max_steps - 1 or stop
         if tc.eval_interval and ((step + 1) % tc.eval_interval == 0 or last):
             record["val_loss"] = engine.evaluate()
             val_losses.append((step, record["val_loss"]))
@@ -58,7 +62,12 @@ def train(
         if not math.isfinite(result.loss):
             logger.print(f"warning: non-finite loss at step {step}")
         step += 1
+        if stop:
+            stopped_at = step
+            logger.print(f"stop requested: stopping after step {step - 1}")
+            break
     summary = {
+        "stopped_at": stopped_at,
         "steps": len(losses),
         "first_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,

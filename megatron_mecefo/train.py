@@ -85,9 +85,12 @@ def run(args: argparse.Namespace) -> int:
             "--inject/--failures need failover: launch with mecefo-launch "
             "(launch/local/run.sh), not plain torchrun"
         )
-    from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
+    from megatron_mecefo.checkpoint.manager import CheckpointManager
     from megatron_mecefo.mcore.parallel import init_parallel
     from megatron_mecefo.metrics.logger import MetricsLogger
+    from megatron_mecefo.snapshot.hook import SnapshotHook
+    from megatron_mecefo.snapshot.paths import node_dir
+    from megatron_mecefo.snapshot.recovery import Recovery, agree_min_over_default_group
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
     from megatron_mecefo.training.run_dir import RunDir
@@ -96,22 +99,31 @@ def run(args: argparse.Namespace) -> int:
     stop_flag = StopFlag().install()
     ctx = init_parallel(cfg.parallel)
     say = print if ctx.is_rank0 else (lambda *a, **k: None)
-    found = find_resume(cfg.checkpoint, cfg.run_dir, lambda m: say(m, flush=True))
+    log = lambda m: say(m, flush=True)  # noqa: E731
+    shm = node_dir(cfg.snapshot, cfg.run_dir) if cfg.snapshot.enabled else None
+    recovery = Recovery(
+        cfg,
+        rank=ctx.rank,
+        snapshot_dir=shm,
+        agree_min=agree_min_over_default_group(ctx.device),
+        log=lambda m: print(f"[recovery] rank {ctx.rank}: {m}", flush=True),
+    )
+    resuming = bool(recovery.candidates())
     run_dir = (
-        RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=found is not None)
-        if ctx.is_rank0
-        else None
+        RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=resuming) if ctx.is_rank0 else None
     )
     ckpt = CheckpointManager(
         cfg.checkpoint,
         cfg.run_dir,
         max_steps=cfg.training.max_steps,
         tp_size=ctx.tp_size,
-        log=lambda m: say(m, flush=True),
+        log=log,
     )
+    snapshots = SnapshotHook(cfg.snapshot, shm, ctx.rank, max_steps=cfg.training.max_steps, log=log)
     try:
-        engine = build_engine(cfg, ctx, log=lambda m: say(m, flush=True))
-        start_step = ckpt.resume(engine, found)
+        engine = build_engine(cfg, ctx, log=log)
+        start_step = recovery.load(engine, ckpt) or 0
+        snapshots.attach(engine)
         if run_dir is not None:
             run_dir.create(
                 cfg,
@@ -137,7 +149,10 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         summary = train(
-            engine, logger, [StopRequest(stop_flag, ctx.world_size), ckpt], start_step=start_step
+            engine,
+            logger,
+            [StopRequest(stop_flag, ctx.world_size), snapshots, ckpt],
+            start_step=start_step,
         )
     finally:
         logger.close()

@@ -80,8 +80,10 @@ class CheckpointManager(TrainHook):
             )
         try:
             next_step = checkpointing.load(engine, str(folder), with_rng=same_tp)
-        except Exception as exc:  # noqa: BLE001 - megatron raises many kinds; one clear line
-            raise CheckpointError(f"cannot load {folder}: {str(exc).splitlines()[0]}") from exc
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            raise CheckpointError(f"cannot load {folder}: {_last_line(exc)}") from exc
         self.stats["resumed"] = {"folder": str(folder), "next_step": next_step}
         self.log(f"resumed from {folder} at step {next_step}")
         return next_step
@@ -164,3 +166,9 @@ class CheckpointManager(TrainHook):
         except Exception as exc:  # noqa: BLE001 - a failed write is reported, never fatal
             self.stats["failed"] += 1
             self.log(f"warning: an async checkpoint write failed ({exc}); training goes on")
+
+
+def _last_line(exc: BaseException) -> str:
+    """The innermost one-line reason (torch wraps megatron's error in a multi-line report)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(exc).__name__)[:300]

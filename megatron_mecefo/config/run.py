@@ -10,6 +10,7 @@ from megatron_mecefo.failover.config import FailoverConfig
 from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
 from megatron_mecefo.mecefo.config import MecefoConfig
 from megatron_mecefo.metrics.config import LoggingConfig
+from megatron_mecefo.snapshot.config import RecoveryConfig, SnapshotConfig
 from megatron_mecefo.training.config import TrainingConfig
 
 
@@ -37,6 +38,10 @@ class RunConfig:
     """Disk checkpoints (megatron dist_checkpointing) and resume."""
     failover: FailoverConfig = dataclasses.field(default_factory=FailoverConfig)
     """Heartbeats, timeouts and auditing of the failover manager (active under mecefo-launch)."""
+    snapshot: SnapshotConfig = dataclasses.field(default_factory=SnapshotConfig)
+    """In-memory snapshots (shared memory per node, erasure-coded across nodes)."""
+    recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
+    """Failover (keep training) or checkpoint-restart, and the recovery order."""
 
     def __post_init__(self) -> None:
         if not self.run_dir:

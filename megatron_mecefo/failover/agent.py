@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover import keys
+from megatron_mecefo.snapshot.paths import NODE_DIR_ENV, SMP_ENV, node_dir
 
 FATAL = {
     ExitCode.CONFIG_ERROR,
@@ -109,6 +111,8 @@ class Agent:
         self.spares: list[subprocess.Popen] = []
         self.evicted: set[int] = set()  # ranks whose current incarnation was evicted
         self.stop_reason: str | None = None  # set by SIGUSR1; posted to the store once
+        self.snapshot_dir, self.smp_cmd = snapshot_process_command(args, address, self.ranks)
+        self.smp: subprocess.Popen | None = None
         self.preempted = False  # a rank exited PREEMPTED (stopped on request after a checkpoint)
 
     def log(self, msg: str) -> None:
@@ -122,6 +126,11 @@ class Agent:
             "LOCAL_WORLD_SIZE": str(self.args.nproc_per_node),
             keys.COORDINATOR_ENV: self.address,
             keys.INCARNATION_ENV: str(self.incarnation[rank]),
+            **(
+                {NODE_DIR_ENV: str(self.snapshot_dir), SMP_ENV: "1"}
+                if self.smp_cmd is not None
+                else {}
+            ),
         }
 
     def spawn(self, rank: int) -> None:
@@ -157,6 +166,7 @@ class Agent:
     def run(self) -> int:
         self.store.add(keys.AGENTS_ACTIVE, 1)
         try:
+            self._start_smp()
             for rank in self.ranks:
                 self.spawn(rank)
             self._top_up_spares()
@@ -193,6 +203,9 @@ class Agent:
             self.log(f"stop requested ({self.stop_reason}): ranks checkpoint and stop")
             self.store.set(keys.STOP, f"node {self.args.node_rank}: {self.stop_reason}")
         done = self.store.check([keys.DONE]) or self.store.check([keys.STOP])
+        if self.smp is not None and self.smp.poll() is not None and not done:
+            self.log(f"the snapshot process exited ({self.smp.returncode}); restarting it")
+            self._start_smp()
         for rank, proc in list(self.procs.items()):
             rc = proc.poll()
             if rc is None:
@@ -245,7 +258,13 @@ class Agent:
         when = f"at job step {step}" if step >= 0 else f"in {self.args.restart_delay_s:.1f} s"
         self.log(f"rank {rank} (incarnation {inc}) died ({how}); restarting it {when}")
 
+    def _start_smp(self) -> None:
+        if self.smp_cmd is not None:
+            self.smp = subprocess.Popen(self.smp_cmd, preexec_fn=_ignore_stop_signal)
+
     def _stop_children(self) -> None:
+        if self.smp is not None and self.smp.poll() is None:
+            self.procs[-100] = self.smp  # stopped with the others (SIGTERM; its folder stays)
         for i, spare in enumerate(self.spares):
             if spare.poll() is None:
                 spare.stdin.close()  # EOF: the spare exits
@@ -260,6 +279,49 @@ class Agent:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def snapshot_process_command(
+    args: argparse.Namespace, address: str, ranks: list[int]
+) -> tuple[Path | None, list[str] | None]:
+    """This node's snapshot folder and `mecefo-smp` command, if the run takes snapshots."""
+    from megatron_mecefo.train import load_run_config
+    from megatron_mecefo.train import parse_args as trainer_parse_args
+
+    try:
+        cfg = load_run_config(trainer_parse_args(list(args.trainer_args)))
+    except (SystemExit, Exception):  # noqa: BLE001 - the trainers report config errors themselves
+        return None, None
+    if not cfg.snapshot.enabled:
+        return None, None
+    directory = node_dir(cfg.snapshot, cfg.run_dir, node=args.node_rank)
+    host = os.environ.get("MECEFO_SMP_HOST") or (
+        "127.0.0.1" if args.nnodes == 1 else keys.this_host()
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.snapshot.smp",
+        "--dir",
+        str(directory),
+        "--node",
+        str(args.node_rank),
+        "--nnodes",
+        str(args.nnodes),
+        "--ranks",
+        ",".join(map(str, ranks)),
+        "--coordinator",
+        address,
+        "--parity",
+        cfg.snapshot.parity,
+        "--group",
+        str(cfg.snapshot.parity_group),
+        "--rs-parity",
+        str(cfg.snapshot.rs_parity),
+        "--host",
+        host,
+    ]
+    return directory, cmd
 
 
 def _ignore_stop_signal() -> None:
@@ -316,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 coordinator.terminate()
                 coordinator.wait(10)
+    if code == ExitCode.OK and agent.snapshot_dir is not None:
+        shutil.rmtree(agent.snapshot_dir, ignore_errors=True)  # the job is done: free the memory
     agent.log(f"done (exit {code})")
     return code
 

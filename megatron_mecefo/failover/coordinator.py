@@ -95,6 +95,8 @@ class Coordinator:
         self._ticks = 0
         self._dead_seq = -1
         self.reported: dict[int, tuple[int, float]] = {}  # rank -> (incarnation, failure epoch)
+        self.recovering_since: float | None = None  # every replica lost: waiting for restarts
+        self._recovery: dict | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -236,20 +238,41 @@ class Coordinator:
     # ------------------------------------------------------------------ decisions
     def _decide(self, now: float) -> None:
         removed: tuple[int, ...] = ()
+        recovery = self._recovery_settings()
         if self.pending and now - self.first_detection >= self.cfg.grace_s:
             dead_replicas = sorted({r // self.tp for r in self.pending})
             removed = tuple(r for r in dead_replicas if r in self.members)
+            if removed and recovery["mode"] == "restart":  # checkpoint-restart: everyone goes
+                removed = self.members
         added = tuple(rep for rep in range(self.num_replicas) if self._ready_to_join(rep, now))
+        if self.recovering_since is not None and not removed:
+            waited = now - self.recovering_since
+            if len(added) < self.num_replicas and (not added or waited < recovery["wait_all_s"]):
+                return  # restart everyone together, so they resume from one state
         if not removed and not added:
             return
         members = tuple(sorted((set(self.members) - set(removed)) | set(added)))
         if removed:
             self._report_failures(removed, now)
         if not members:
-            self._abort(
-                "every replica is lost, so no survivor holds the training state "
-                "(restart from a checkpoint: not built yet)"
+            if not recovery["recoverable"]:
+                self._abort(
+                    "every replica is lost and neither snapshots nor checkpoints are enabled, "
+                    "so no state survives (set snapshot.interval or checkpoint.interval)"
+                )
+                return
+            self.members = ()
+            self.recovering_since = now
+            self.pending.clear()
+            self.first_detection = None
+            self.log(
+                "[coordinator] every replica is lost: waiting for the restarted ranks, which "
+                "load the newest state (snapshot, parity rebuild or disk)"
             )
+            return
+        if self.recovering_since is not None:
+            self.recovering_since = None
+            self._publish(members, removed=(), added=added, reason="recover")
             return
         if len(members) < self.cfg.min_replicas:
             self._abort(f"only {len(members)} replicas left, below min_replicas")
@@ -266,11 +289,22 @@ class Coordinator:
             self.pending.clear()
             self.first_detection = None
 
+    def _recovery_settings(self) -> dict:
+        if self._recovery is None and self.store.check([keys.RECOVERY]):
+            self._recovery = json.loads(self.store.get(keys.RECOVERY))  # same from every rank
+        return self._recovery or {"mode": "failover", "recoverable": False, "wait_all_s": 60.0}
+
     def _report_failures(self, removed: tuple[int, ...], now: float) -> None:
         detected = time.time()
+        failed_replicas = {r // self.tp for r in self.pending}
         for rep in removed:
             for rank in self.replica_ranks(rep):
                 st = self.ranks[rank]
+                if rep not in failed_replicas:  # checkpoint-restart mode: restarted with the job
+                    st.evicted_incarnation = st.incarnation
+                    self.store.set(keys.evict(rank), str(st.incarnation))
+                    self.log(f"[coordinator] rank {rank} (replica {rep}) restarts with the job")
+                    continue
                 failed_at, reason = self.pending.get(rank, (detected, "TP peer of a lost rank"))
                 injected = keys.injected(rank, st.incarnation)
                 if self.store.check([injected]):  # the true failure time of an injection

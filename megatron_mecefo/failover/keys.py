@@ -27,6 +27,9 @@ DONE = "done"
 STOP = "job/stop"
 """Set (value = reason) when a stop was requested (SIGUSR1): members stop at an agreed step after a
 final checkpoint and exit PREEMPTED."""
+RECOVERY = "recovery"
+"""JSON {"mode": failover|restart, "recoverable": bool, "wait_all_s": float}, set by trainers:
+whether losing every replica can be survived (snapshots or checkpoints exist) and how."""
 RUN_DIR = "run_dir"
 """Absolute run directory, published by the first leader; the coordinator writes events there."""
 JOB_STEP = "job/step"

@@ -121,6 +121,9 @@ class FailoverManager(TrainHook):
         self.hb: Heartbeat | None = None
         self.stop_flag = stop_flag or StopFlag()
         self._stop_after: int | None = None
+        self.recover: Any = None
+        """() -> next step or None: the recovery order (snapshot, parity, disk), used when no
+        member holds live state (every replica was lost at once)."""
         self.attempt = 0
         self.next_step = 0
         self.has_state = incarnation == 0
@@ -158,6 +161,17 @@ class FailoverManager(TrainHook):
             interval_s=self.fcfg.heartbeat_interval_s,
             coordinator_timeout_s=self.fcfg.coordinator_timeout_s,
             stop_flag=self.stop_flag,
+        )
+        recoverable = self.cfg.snapshot.enabled or self.cfg.checkpoint.interval > 0
+        self.store.set(
+            keys.RECOVERY,
+            json.dumps(
+                {
+                    "mode": self.cfg.recovery.mode,
+                    "recoverable": recoverable,
+                    "wait_all_s": self.cfg.recovery.wait_all_s,
+                }
+            ),
         )
         self.store.set(keys.registration(self.rank), json.dumps(reg))
         self.store.add(keys.REG_SEQ, 1)
@@ -551,17 +565,28 @@ class FailoverManager(TrainHook):
         """Agree on the newest state among members; send it to any member that lacks it."""
         m = self.membership
         mine = self.next_step if self.has_state else -1
-        if m.size == 1:
-            if mine < 0:
-                raise JobAbortedError("no live replica holds the training state to rejoin from")
-            return
-        steps = torch.zeros(m.size, dtype=torch.int64)
-        steps[m.position] = mine
-        if not self.collectives.all_reduce(steps, m.group):
-            raise _Superseded(self._wait_newer_generation(gen, deadline))
-        best = int(steps.max())
+        best, steps = self._exchange_steps(mine, gen, deadline)
+        if best < 0 and self.recover is not None:  # every replica was lost: recovery order
+            recovered = self.recover()
+            if recovered is not None:
+                self.next_step, self.has_state = recovered, True
+                keys.post_event(
+                    self.store,
+                    "recovery",
+                    step=recovered,
+                    dp_rank=self.replica,
+                    ranks=[self.rank],
+                    generation=gen,
+                    latency_ms=1000 * (time.monotonic() - self._started),
+                    detail=f"no live replica: loaded step {recovered} locally",
+                )
+            best, steps = self._exchange_steps(
+                self.next_step if self.has_state else -1, gen, deadline
+            )
         if best < 0:
             raise JobAbortedError("no live replica holds the training state to rejoin from")
+        if m.size == 1:
+            return
         source = int((steps == best).nonzero()[0])
         receivers = [i for i in range(m.size) if int(steps[i]) < best]
         if not receivers:
@@ -611,6 +636,15 @@ class FailoverManager(TrainHook):
                     f"({payload.numel() / 1e6 / max(elapsed, 1e-9):.1f} MB/s)"
                 ),
             )
+
+    def _exchange_steps(self, mine: int, gen: int, deadline: float) -> tuple[int, torch.Tensor]:
+        """Every member's state step (-1: none) and the newest one."""
+        m = self.membership
+        steps = torch.zeros(m.size, dtype=torch.int64)  # summed: each member fills its own slot
+        steps[m.position] = mine
+        if m.size > 1 and not self.collectives.all_reduce(steps, m.group):
+            raise _Superseded(self._wait_newer_generation(gen, deadline))
+        return int(steps.max()), steps
 
     # ------------------------------------------------------------------ reporting
     def _log_tasks(self, engine, step: int, plan: RankStepPlan | None) -> None:

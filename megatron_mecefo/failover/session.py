@@ -39,8 +39,11 @@ def init_replica_parallel(
 
 def run_with_failover(cfg, args, say) -> int:
     """The whole life of one trainer process under failover; returns its exit code."""
-    from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
+    from megatron_mecefo.checkpoint.manager import CheckpointManager
     from megatron_mecefo.metrics.logger import MetricsLogger
+    from megatron_mecefo.snapshot.hook import SnapshotHook
+    from megatron_mecefo.snapshot.paths import node_dir
+    from megatron_mecefo.snapshot.recovery import Recovery, agree_min_over_default_group
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
     from megatron_mecefo.training.run_dir import RunDir
@@ -76,11 +79,15 @@ def run_with_failover(cfg, args, say) -> int:
     manager.register()
     replica, tp_rank = divmod(rank, tp)
     first = rank == 0 and incarnation == 0
-    # only a fresh job start (every rank's first incarnation) resumes from disk; a restarted rank
-    # takes the state from a live peer
-    found = find_resume(cfg.checkpoint, cfg.run_dir, print) if incarnation == 0 else None
-    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=found is not None)
+    shm = node_dir(cfg.snapshot, cfg.run_dir) if cfg.snapshot.enabled else None
+    log = lambda m: print(f"[recovery] rank {rank}: {m}", flush=True)  # noqa: E731
+    recovery = Recovery(cfg, rank=rank, snapshot_dir=shm, log=log)
+    # a fresh job start (every rank's first incarnation) takes the newest state it can find; a
+    # restarted rank takes it from a live peer, or (every replica lost) from the recovery order
+    resuming = incarnation == 0 and bool(recovery.candidates())
+    run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=resuming)
     ctx = init_replica_parallel(cfg, backend, address, replica, tp_rank, tp, incarnation)
+    recovery.agree_min = agree_min_over_default_group(ctx.device)  # over this replica's TP ranks
     lead_say = say if first else (lambda *a, **k: None)
     engine = build_engine(
         cfg,
@@ -99,7 +106,11 @@ def run_with_failover(cfg, args, say) -> int:
         saves_here=lambda: manager.membership.members[0] == manager.replica,
         log=lambda m: print(f"[checkpoint] rank {rank}: {m}", flush=True),
     )
-    manager.next_step = ckpt.resume(engine, found)
+    manager.recover = lambda: recovery.load(engine, ckpt)
+    if incarnation == 0:
+        manager.next_step = recovery.load(engine, ckpt) or 0
+    snapshots = SnapshotHook(cfg.snapshot, shm, rank, max_steps=cfg.training.max_steps, log=log)
+    snapshots.attach(engine)
     if first:
         run_dir.create(
             cfg,
@@ -132,7 +143,7 @@ def run_with_failover(cfg, args, say) -> int:
         run_config=to_dict(cfg),
     )
     try:
-        summary = train(engine, logger, [manager, ckpt], start_step=start_step)
+        summary = train(engine, logger, [manager, snapshots, ckpt], start_step=start_step)
     finally:
         logger.close()
         manager.close()

@@ -41,6 +41,7 @@ EVENT_TYPES = (
     "restart",
     "checkpoint",
     "abort",
+    "recovery",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

@@ -89,6 +89,9 @@ class Engine:
         self.commit_vote: Callable[[int, bool], bool] = local_commit
         """(step, this rank's reduction succeeded) -> apply the update? Failover installs its
         vote here; it must return the same answer on every member."""
+        self.before_update: list[Callable[[], None]] = []
+        """Called just before the optimizer update of a committed step (a snapshot still copying
+        the previous state waits here)."""
         tc = cfg.training
         self.train_sampler = MicroBatchSampler(
             data.train,
@@ -147,6 +150,8 @@ class Engine:
         committed = self.commit_vote(step, self.membership.failed is None)
         updated, grad_norm = False, 0.0
         if committed:
+            for wait in self.before_update:
+                wait()
             updated, grad_norm, _ = self.optimizer.step()
         else:
             self.ddp.zero_grad_buffer()

@@ -131,3 +131,105 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_nodes(
+    tmp_path: Path,
+    demo_data_dir: str,
+    *,
+    nnodes: int,
+    nproc_per_node: int = 1,
+    steps: int = 16,
+    inject: tuple[str, ...] = (),
+    overrides: tuple[str, ...] = (),
+    launch_args: tuple[str, ...] = (),
+    timeout_s: float = 240,
+    name: str = "run",
+    while_running: Callable[[list[subprocess.Popen], Path], None] | None = None,
+) -> LaunchResult:
+    """`nnodes` agents on this machine, each a simulated node (node 0 starts the coordinator on
+    a free port); returns node 0's result with every node's output."""
+    run_dir = tmp_path / name
+    port = free_port()
+    trainer = [
+        "--config",
+        str(CONFIG),
+        "--max-steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        f"data.demo_dir={demo_data_dir}",
+        "failover.audit=true",
+        "logging.print_interval=1",
+        "training.eval_interval=0",
+        "training.micro_batch_size=4",
+        *overrides,
+    ]
+    for spec in inject:
+        trainer += ["--inject", spec]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    procs, logs = [], []
+    start = time.monotonic()
+    for node in range(nnodes):
+        where = (
+            ["--coordinator-port", str(port)]
+            if node == 0
+            else ["--coordinator", f"127.0.0.1:{port}"]
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_mecefo.failover.agent",
+            "--nproc-per-node",
+            str(nproc_per_node),
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node),
+            "--restart-delay-s",
+            "0.5",
+            *where,
+            *launch_args,
+            "--",
+            *trainer,
+        ]
+        log_path = tmp_path / f"{name}.node{node}.log"
+        logs.append(log_path)
+        with open(log_path, "w") as log:
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=ROOT,
+                    start_new_session=True,
+                )
+            )
+        if node == 0:
+            time.sleep(1.0)  # the coordinator first
+    codes = []
+    try:
+        if while_running is not None:
+            while_running(procs, run_dir)
+        for proc in procs:
+            codes.append(proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start))))
+    except subprocess.TimeoutExpired:
+        codes = [-9]
+    finally:
+        for proc in procs:
+            if proc.poll() is None or codes == [-9]:
+                _kill_group(proc)
+    output = "\n".join(f"--- node {i}\n{p.read_text()}" for i, p in enumerate(logs))
+    rc = -9 if codes == [-9] else max(codes, key=abs)
+    if rc == -9:
+        output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
+    return LaunchResult(rc, output, run_dir, time.monotonic() - start)

@@ -1,0 +1,185 @@
+"""In-memory snapshots end to end with real processes and real signals.
+
+- Every trainer SIGKILLed at once: the job resumes from the node's shared-memory snapshot without
+  a restart, and ends bit for bit where the uninterrupted run ends.
+- Three simulated nodes, every trainer killed, then one node's memory and snapshot process lost:
+  the replacement snapshot process rebuilds that node's snapshot from its peers' XOR parity.
+- Checkpoint-restart mode (the baseline): one death restarts every rank from the snapshot.
+- A corrupt byte in the snapshot is detected and the disk checkpoint of the same step is used; a
+  snapshot or checkpoint of another model shape is refused with CHECKPOINT_ERROR.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.snapshot.slots import HEADER, SlotPair
+from tests.helpers.launch import launch, launch_nodes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+ROOT = Path(__file__).resolve().parents[2]
+SNAP = ("snapshot.interval=1", "model.hidden_dropout=0.1")  # dropout: RNG states must come back
+
+
+@pytest.fixture(scope="module")
+def shm_root():
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    root = base / f"mecefo-test-{uuid.uuid4().hex[:8]}"
+    old = os.environ.get("MECEFO_SHM_DIR")
+    os.environ["MECEFO_SHM_DIR"] = str(root)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+    if old is None:
+        os.environ.pop("MECEFO_SHM_DIR", None)
+    else:
+        os.environ["MECEFO_SHM_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, demo_data_dir, shm_root):
+    res = launch(
+        tmp_path_factory.mktemp("straight"),
+        demo_data_dir,
+        nproc=2,
+        steps=14,
+        overrides=SNAP,
+        name="straight",
+    )
+    assert res.returncode == 0, res.explain()
+    assert not any(shm_root.glob("*/node*")), "a finished job must free its shared memory"
+    return res
+
+
+def _digests(res) -> set[tuple[str, str]]:
+    return {(d["model"], d["optimizer"]) for d in res.state_digests().values()}
+
+
+def test_every_trainer_killed_resumes_from_shared_memory(tmp_path, demo_data_dir, straight):
+    res = launch(
+        tmp_path, demo_data_dir, nproc=2, steps=14, overrides=SNAP, inject=("kill:0:8", "kill:1:8")
+    )
+    assert res.returncode == 0, res.explain()
+    assert "every replica is lost" in res.output
+    assert "shared-memory snapshot" in res.output and "disk checkpoint" not in res.output
+    assert "recovery" in res.event_types()
+    assert res.losses() == straight.losses()  # bit for bit, dropout included
+    assert _digests(res) == _digests(straight)  # and the final model and optimizer
+
+
+def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_root):
+    def lose_node_1(procs, run_dir):
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:  # every trainer has been killed
+            ev = run_dir / "events.jsonl"
+            if ev.exists() and ev.read_text().count('"failure"') >= 3:
+                break
+            time.sleep(0.05)
+        node1 = next(shm_root.glob("mecefo-*")) / "node0001"
+        pids = subprocess.run(
+            ["pgrep", "-f", f"snapshot.smp --dir {node1}"], capture_output=True, text=True
+        ).stdout.split()
+        assert pids, "node 1 has no snapshot process"
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(node1)
+
+    res = launch_nodes(
+        tmp_path,
+        demo_data_dir,
+        nnodes=3,
+        steps=14,
+        overrides=SNAP,
+        inject=("kill:0:8", "kill:1:8", "kill:2:8"),
+        launch_args=("--restart-delay-s", "3"),
+        while_running=lose_node_1,
+    )
+    assert res.returncode == 0, res.explain()
+    assert "[smp 1] rebuilt this node's snapshot of step" in res.output, res.explain()
+    assert "rank 1: recovered the state of step" in res.output
+    assert "rebuilt from parity" in res.output
+    assert [m["step"] for m in res.metrics()] == list(range(14))
+    assert len(res.state_digests()) == 3 and len(_digests(res)) == 1
+
+
+def test_restart_mode_restarts_every_rank_from_the_snapshot(tmp_path, demo_data_dir, straight):
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        nproc=2,
+        steps=14,
+        overrides=(*SNAP, "recovery.mode=restart"),
+        inject=("kill:1:6",),
+    )
+    assert res.returncode == 0, res.explain()
+    assert "rank 0 (replica 0) restarts with the job" in res.output
+    events = res.events()
+    assert [e["type"] for e in events].count("failure") == 1
+    assert {e["dp_rank"] for e in events if e["type"] == "recovery"} == {0, 1}
+    assert res.losses() == straight.losses()
+
+
+# ---------------------------------------------------------------- one process, plain CLI
+def _train(run_dir, demo_dir, steps, *extra):
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.train",
+        "--config",
+        "configs/run/demo_cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        f"data.demo_dir={demo_dir}",
+        "training.eval_interval=0",
+        "logging.print_interval=0",
+        *extra,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _losses(run_dir) -> list[float]:
+    return [json.loads(x)["loss"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_corrupt_snapshot_falls_back_to_disk_and_a_wrong_shape_is_refused(
+    tmp_path, demo_data_dir, shm_root
+):
+    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.snapshot.paths import node_dir
+
+    ref = _train(tmp_path / "ref", demo_data_dir, 12, "model.hidden_dropout=0.1")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    run = tmp_path / "run"
+    extra = (*SNAP, "checkpoint.interval=4")
+    first = _train(run, demo_data_dir, 8, *extra)
+    assert first.returncode == 0, first.stderr[-2000:]
+    pair = SlotPair(node_dir(SnapshotConfig(), str(run)), 0)
+    assert sorted(pair.clean_steps()) == [7, 8]
+    for slot in pair.slots:  # one flipped byte in each slot's payload
+        raw = bytearray(slot.path.read_bytes())
+        raw[HEADER + 4000] ^= 0x10
+        slot.path.write_bytes(raw)
+
+    second = _train(run, demo_data_dir, 12, *extra)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert "snapshot step 8: " in second.stdout and "CRC mismatch" in second.stdout
+    assert "recovered the state of step 8 from disk checkpoint" in second.stdout
+    assert _losses(run) == _losses(tmp_path / "ref")
+
+    wider = _train(run, demo_data_dir, 16, *extra, "model.ffn_hidden_size=96")
+    assert wider.returncode == ExitCode.CHECKPOINT_ERROR, wider.stdout[-2000:]
+    assert "no saved state that every rank can load" in wider.stderr
+    assert "shape" in wider.stdout + wider.stderr

@@ -260,7 +260,14 @@ class Agent:
 
     def _start_smp(self) -> None:
         if self.smp_cmd is not None:
-            self.smp = subprocess.Popen(self.smp_cmd, preexec_fn=_ignore_stop_signal)
+            # pyeclib allocates fresh buffers per encode: without these, page faults cap
+            # Reed-Solomon at ~0.4 GB/s instead of ~2 GB/s (docs/snapshot.md)
+            env = {
+                "MALLOC_MMAP_THRESHOLD_": "1073741824",
+                "MALLOC_TRIM_THRESHOLD_": "4294967296",
+                **os.environ,
+            }
+            self.smp = subprocess.Popen(self.smp_cmd, env=env, preexec_fn=_ignore_stop_signal)
 
     def _stop_children(self) -> None:
         if self.smp is not None and self.smp.poll() is None:

@@ -85,23 +85,21 @@ class SnapshotHook(TrainHook):
 
     # ------------------------------------------------------------------ save
     def save(self, engine, next_step: int) -> None:
-        """Start the snapshot of `next_step` (waits for the previous one to finish first)."""
+        """Start the snapshot of `next_step` (waits for the previous one to finish first).
+
+        Only the state dict (references to the live tensors, RNG states copied) is taken here;
+        the layout, the copy and the CRC run in the background thread."""
         self.wait_done()
         state = train_state.state_dict(engine, next_step)
-        skeleton, refs, tensors, payload = plan_layout(state)
-        slot = self.pair.target()
-        try:
-            slot.begin(next_step, skeleton, refs, payload)
-        except OSError as exc:  # /dev/shm full or gone: training goes on without this snapshot
-            self.stats["failed"] += 1
-            self.log(f"warning: snapshot of step {next_step} not written ({exc})")
-            return
-        base = HEADER + len(skeleton)
         self._staged.clear()
 
         def copy_and_seal() -> None:
             try:
                 t0 = time.perf_counter()
+                skeleton, refs, tensors, payload = plan_layout(state)
+                slot = self.pair.target()
+                slot.begin(next_step, skeleton, refs, payload)
+                base = HEADER + len(skeleton)
                 for ref, tensor in zip(refs, tensors):
                     slot.copy_tensor(base + ref.offset, tensor)
                 self.stats["copy_s"].append(time.perf_counter() - t0)
@@ -113,7 +111,7 @@ class SnapshotHook(TrainHook):
                 self.stats["bytes"] = payload + len(skeleton)
                 self.stats["last_step"] = next_step
             except BaseException as exc:  # noqa: BLE001 - reported at the next wait
-                self._error = exc
+                self._error = exc  # e.g. ENOSPC: /dev/shm is full (the slot stays dirty)
                 self._staged.set()
 
         self._thread = threading.Thread(target=copy_and_seal, name="mecefo-snapshot", daemon=True)

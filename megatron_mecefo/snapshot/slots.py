@@ -49,7 +49,7 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj.detach())
+            tensors.append(obj)  # state dicts hold detached tensors already
             return ("__tensor__", len(tensors) - 1)
         if isinstance(obj, dict):
             return {k: walk(v) for k, v in obj.items()}

@@ -97,6 +97,7 @@ class Coordinator:
         self.reported: dict[int, tuple[int, float]] = {}  # rank -> (incarnation, failure epoch)
         self.recovering_since: float | None = None  # every replica lost: waiting for restarts
         self._recovery: dict | None = None
+        self._recover_failure_epoch: float | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -263,6 +264,7 @@ class Coordinator:
                 return
             self.members = ()
             self.recovering_since = now
+            self._recover_failure_epoch = min((t for t, _ in self.pending.values()), default=None)
             self.pending.clear()
             self.first_detection = None
             self.log(
@@ -272,7 +274,13 @@ class Coordinator:
             return
         if self.recovering_since is not None:
             self.recovering_since = None
-            self._publish(members, removed=(), added=added, reason="recover")
+            self._publish(
+                members,
+                removed=(),
+                added=added,
+                reason="recover",
+                failure_epoch_s=self._recover_failure_epoch,
+            )
             return
         if len(members) < self.cfg.min_replicas:
             self._abort(f"only {len(members)} replicas left, below min_replicas")

@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 5])
     p.add_argument("--encode-mb", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--e2e-steps", type=int, default=20, help="steps of each end-to-end job")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end recovery jobs")
     p.add_argument("--quick", action="store_true", help="fewer steps/rounds, tiny model only")
     p.add_argument("--out", default=str(ROOT / "bench_out" / "recovery.json"))
     return p.parse_args()
@@ -253,6 +255,84 @@ def restore_times(engine, shm: Path, ckpt_dir: Path, say) -> dict:
     }
 
 
+E2E_CASES = {
+    # name: (overrides, injections)
+    "snapshot: every trainer killed": (
+        ["snapshot.interval=1"],
+        ["kill:0:10", "kill:1:10"],
+    ),
+    "checkpoint-restart from disk (interval 5)": (
+        ["recovery.mode=restart", "checkpoint.interval=5", "checkpoint.async_save=false"],
+        ["kill:1:12"],
+    ),
+    "checkpoint-restart from snapshot": (
+        ["recovery.mode=restart", "snapshot.interval=1"],
+        ["kill:1:12"],
+    ),
+}
+
+
+def end_to_end(demo_dir: str, work: Path, steps: int, say) -> dict:
+    """Real jobs (mecefo-launch, 2 ranks): time from the failure until the job trains again on
+    recovered state, the source used, and the steps recomputed."""
+    import subprocess
+
+    out = {}
+    for name, (overrides, injections) in E2E_CASES.items():
+        run_dir = work / f"e2e-{len(out)}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_mecefo.failover.agent",
+            "--nproc-per-node",
+            "2",
+            "--restart-delay-s",
+            "0.5",
+            "--",
+            "--config",
+            str(ROOT / "configs" / "run" / "demo_cpu.yaml"),
+            "--run-dir",
+            str(run_dir),
+            "--max-steps",
+            str(steps),
+            f"data.demo_dir={demo_dir}",
+            "training.eval_interval=0",
+            "logging.print_interval=0",
+            *overrides,
+        ]
+        for spec in injections:
+            cmd += ["--inject", spec]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        wall = time.perf_counter() - t0
+        events_path = run_dir / "events.jsonl"
+        events = (
+            [json.loads(x) for x in events_path.read_text().splitlines() if x.strip()]
+            if events_path.exists()
+            else []
+        )
+        failures = [e for e in events if e["type"] == "failure"]
+        recover = [
+            e for e in events if e["type"] == "regroup" and "recover" in (e.get("detail") or "")
+        ]
+        loaded = [e for e in events if e["type"] == "recovery"]
+        lines = [ln for ln in proc.stdout.splitlines() if "recovered the state of step" in ln]
+        row = {
+            "exit": proc.returncode,
+            "wall_s": wall,
+            "failure_step": failures[0]["step"] if failures else None,
+            "recovery_ms": recover[0].get("latency_ms") if recover else None,
+            "resumed_step": max((e["step"] for e in loaded), default=None),
+            "source": lines[0].split(" from ", 1)[1].split(" (")[0] if lines else None,
+        }
+        if row["failure_step"] is not None and row["resumed_step"] is not None:
+            row["steps_recomputed"] = row["failure_step"] - row["resumed_step"]
+        out[name] = row
+        say(f"  {name}: exit {proc.returncode}, recovery {row['recovery_ms']} ms")
+    return out
+
+
 def main() -> int:
     args = parse_args()
     if args.quick:
@@ -285,6 +365,10 @@ def main() -> int:
             res["restore"] = restore_times(engine, shm / f"{model}-r", work / f"{model}-ckpt", say)
             out["models"][model] = res
             _print_model(model, res)
+        if not args.no_e2e:
+            say("[end-to-end] real jobs under mecefo-launch, 2 ranks")
+            out["end_to_end"] = end_to_end(str(demo), work, args.e2e_steps, say)
+            _print_e2e(out["end_to_end"])
         mb = args.encode_mb << 20
         out["encode_gbps"] = {
             "xor_k4": codec.encode_gbps(codec.XorCode(), mb, repeats=3),
@@ -337,6 +421,17 @@ def _print_model(model: str, res: dict) -> None:
         f"rebuild {1000 * r['parity_rebuild_s']:.0f} ms "
         f"(with load {1000 * r['parity_total_s']:.0f} ms), disk {1000 * r['disk_s']:.0f} ms"
     )
+
+
+def _print_e2e(rows: dict) -> None:
+    print("\n== end to end (2 ranks, tiny): failure -> training again on recovered state")
+    print(f"{'case':<44} {'recovery ms':>12} {'source':<40} {'recomputed':>10}")
+    for name, r in rows.items():
+        ms = f"{r['recovery_ms']:.0f}" if r.get("recovery_ms") is not None else "-"
+        print(
+            f"{name:<44} {ms:>12} {str(r.get('source'))[:40]:<40} "
+            f"{str(r.get('steps_recomputed', '-')):>10}"
+        )
 
 
 def _machine() -> str:

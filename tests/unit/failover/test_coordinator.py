@@ -187,8 +187,72 @@ def test_losing_every_replica_aborts_the_job(store):
     keys.report_dead(store, 0, 0)
     keys.report_dead(store, 1, 0)
     c.tick()
-    assert b"no survivor holds the training state" in store.get(keys.ABORT)
+    assert b"neither snapshots nor checkpoints are enabled" in store.get(keys.ABORT)
     assert keys.get_int(store, keys.GEN) == 1
+
+
+def _recovery(store, mode="failover", wait_all_s=60.0):
+    store.set(
+        keys.RECOVERY,
+        json.dumps({"mode": mode, "recoverable": True, "wait_all_s": wait_all_s}),
+    )
+
+
+def test_losing_every_replica_with_saved_state_waits_for_all_of_them(store):
+    c = make(store, world=2)
+    _recovery(store)
+    for r in range(2):
+        register(store, r, world=2)
+    c.tick()
+    keys.report_dead(store, 0, 0)
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    assert not store.check([keys.ABORT])
+    assert c.members == () and keys.get_int(store, keys.GEN) == 1
+    assert store.get(keys.evict(0)) == b"0" and store.get(keys.evict(1)) == b"0"
+    register(store, 0, inc=1, world=2)  # one replica back: not enough yet
+    c.tick()
+    assert keys.get_int(store, keys.GEN) == 1
+    register(store, 1, inc=1, world=2)
+    c.tick()
+    gen, record = 2, json.loads(store.get(keys.gen_record(2)))
+    assert keys.get_int(store, keys.GEN) == gen
+    assert record["members"] == [0, 1] and record["reason"] == "recover"
+    assert record["failure_epoch_s"] is not None
+
+
+def test_recovery_goes_on_without_a_replica_that_does_not_come_back(store):
+    c = make(store, world=2)
+    _recovery(store, wait_all_s=0.2)
+    for r in range(2):
+        register(store, r, world=2)
+    c.tick()
+    keys.report_dead(store, 0, 0)
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    register(store, 1, inc=1, world=2)
+    c.tick()
+    assert keys.get_int(store, keys.GEN) == 1  # still waiting for replica 0
+    time.sleep(0.3)
+    run_ticks(c, store, beating=[1], seconds=0.1)
+    assert members(store) == (2, [1])
+
+
+def test_restart_mode_evicts_every_replica_on_one_failure(store):
+    c = make(store, world=4)
+    _recovery(store, mode="restart")
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    keys.report_dead(store, 2, 0)
+    c.tick()
+    assert c.members == ()
+    assert all(store.get(keys.evict(r)) == b"0" for r in range(4))
+    failures = [
+        json.loads(store.get(keys.event(i)))
+        for i in range(1, keys.get_int(store, keys.EVENT_SEQ) + 1)
+    ]
+    assert [e["ranks"] for e in failures if e["type"] == "failure"] == [[2]]
 
 
 def test_min_replicas_quorum(store):

@@ -17,8 +17,14 @@ from torch import Tensor
 
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.mecefo.config import MecefoConfig
-from megatron_mecefo.mecefo.ffn import FfnCall, FfnWeights, degraded_ffn, resolve_ffn_weights
-from megatron_mecefo.mecefo.lowrank import SingularVectorCache
+from megatron_mecefo.mecefo.ffn import (
+    FfnCall,
+    FfnWeights,
+    degraded_ffn,
+    resolve_ffn_weights,
+    rms_norm,
+)
+from megatron_mecefo.mecefo.lowrank import InputSecondMoment, SingularVectorCache
 from megatron_mecefo.mecefo.masking import is_attention_branch_param
 
 _HOOKS_ATTR = "mecefo_hooks"
@@ -59,6 +65,11 @@ class LayerHooks:
     """Set by the controller before each micro-batch forward."""
     bucket: int = 0
     """Current tau-bucket (step // tau), set by the controller at each step start."""
+    collect: list[bool] = dataclasses.field(default_factory=lambda: [False, False])
+    """activation basis: (fc1, fc2) input statistics still to be taken this step (the first
+    exact micro-batch of each step feeds them)."""
+    stat_handles: list = dataclasses.field(default_factory=list)
+    """Forward pre-hooks on linear_fc1/linear_fc2 collecting input statistics."""
 
     @property
     def is_noop(self) -> bool:
@@ -102,6 +113,33 @@ def degraded_layer_forward(layer: torch.nn.Module, hooks: LayerHooks, *args, **k
             (mlp_out, None), hidden, layer.hidden_dropout
         )
     return output, context
+
+
+def _install_input_statistics(layer: torch.nn.Module, hooks: LayerHooks) -> None:
+    """activation basis: forward pre-hooks on the FFN linears that fold the input of the first
+    exact, gradient-building micro-batch of each step into its cache's second moment. Degraded
+    micro-batches never run the modules (their FFN is `degraded_ffn`), evaluation runs without
+    grad: neither feeds the statistics."""
+    weights = hooks.ffn_weights
+    fc1_mod, fc2_mod = layer.mlp.linear_fc1, layer.mlp.linear_fc2
+    # TE fuses the pre-MLP RMSNorm into linear_fc1: its input is un-normalised, apply the norm
+    fused_norm = weights.norm_weight is getattr(fc1_mod, "layer_norm_weight", None)
+    norm = (lambda x: rms_norm(x, weights, weights.norm_weight)) if fused_norm else None
+
+    def make(index: int, cache: SingularVectorCache, transform):
+        def pre_hook(module, args, kwargs):
+            if hooks.collect[index] and torch.is_grad_enabled():
+                hooks.collect[index] = False
+                x = args[0] if args else kwargs["input_"]
+                cache.stats.update(x, transform)
+
+        return pre_hook
+
+    for index, (mod, cache, transform) in enumerate(
+        ((fc1_mod, hooks.v1_cache, norm), (fc2_mod, hooks.v2_cache, None))
+    ):
+        handle = mod.register_forward_pre_hook(make(index, cache, transform), with_kwargs=True)
+        hooks.stat_handles.append(handle)
 
 
 def _make_dispatcher(layer: torch.nn.Module, hooks: LayerHooks) -> Callable:
@@ -171,7 +209,10 @@ class DegradedModeController:
         self._step = int(step)
         bucket = self._step // self._cfg.tau
         for _, layer in self._layers:
-            getattr(layer, _HOOKS_ATTR).bucket = bucket
+            hooks = getattr(layer, _HOOKS_ATTR)
+            hooks.bucket = bucket
+            if hooks.stat_handles:
+                hooks.collect = [True, True]
 
     def is_masked_param(self, name: str) -> bool:
         """Whether the trainer averages this parameter's grad over exact replicas only.
@@ -190,8 +231,18 @@ class DegradedModeController:
         v2 = hooks.v2_cache.vectors if hooks.v2_cache else None
         return v1, v2
 
+    def basis_sources(self) -> list[tuple[str | None, str | None]]:
+        """Per layer, where the cached (V1, V2) came from: "weight_svd", "activation" or None."""
+        out = []
+        for _, layer in self._layers:
+            hooks = getattr(layer, _HOOKS_ATTR)
+            caches = (hooks.v1_cache, hooks.v2_cache)
+            out.append(tuple(c.source if c else None for c in caches))
+        return out
+
     def clear_caches(self) -> None:
-        """Drop every cached V (call after loading weights from a checkpoint or a peer)."""
+        """Drop every cached V and input statistic (call after loading weights from a checkpoint
+        or a peer)."""
         for _, layer in self._layers:
             hooks = getattr(layer, _HOOKS_ATTR)
             for cache in (hooks.v1_cache, hooks.v2_cache):
@@ -202,6 +253,8 @@ class DegradedModeController:
         """Restore every layer's original forward."""
         self.set_degraded(False)
         for _, layer in self._layers:
+            for handle in getattr(layer, _HOOKS_ATTR).stat_handles:
+                handle.remove()
             del layer.forward  # the instance attribute; the class method shows through again
             delattr(layer, _HOOKS_ATTR)
         self._layers = []
@@ -235,13 +288,16 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
         weights = resolve_ffn_weights(layer) if functional_ffn else None
         v1_cache = v2_cache = None
         if weights is not None and cfg.lowrank_ffn_grad:
-            v1_cache = SingularVectorCache(
-                rank=cfg.resolve_rank(weights.fc1.shape[1]), method=cfg.svd_method, seed=2 * index
-            )
-            v2_cache = SingularVectorCache(
-                rank=cfg.resolve_rank(weights.fc2.shape[1]),
-                method=cfg.svd_method,
-                seed=2 * index + 1,
+            v1_cache, v2_cache = (
+                SingularVectorCache(
+                    rank=cfg.resolve_rank(w.shape[1]),
+                    method=cfg.svd_method,
+                    seed=2 * index + j,
+                    stats=InputSecondMoment(max_tokens=cfg.activation_stats_tokens, window=cfg.tau)
+                    if cfg.lowrank_basis == "activation"
+                    else None,
+                )
+                for j, w in enumerate((weights.fc1, weights.fc2))
             )
         hooks = LayerHooks(
             layer_index=index,
@@ -254,5 +310,7 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
             v2_cache=v2_cache,
         )
         setattr(layer, _HOOKS_ATTR, hooks)
+        if v1_cache is not None and v1_cache.stats is not None:
+            _install_input_statistics(layer, hooks)
         layer.forward = _make_dispatcher(layer, hooks)
     return DegradedModeController(cfg, layers)

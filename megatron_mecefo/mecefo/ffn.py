@@ -107,7 +107,8 @@ def _tp_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
-def _rms_norm(x: Tensor, w: FfnWeights, gain: Tensor) -> Tensor:
+def rms_norm(x: Tensor, w: FfnWeights, gain: Tensor) -> Tensor:
+    """The pre-MLP RMSNorm of `w` on x [..., d] with this gain."""
     g = gain + 1 if w.zero_centered_gamma else gain
     return F.rms_norm(x, (x.shape[-1],), g, w.norm_eps)
 
@@ -134,9 +135,11 @@ def _matmul_and_project(
 def _weight_grad(param: torch.nn.Parameter, g_out: Tensor, x_or_proj: Tensor, v: Tensor | None):
     """Weight gradient G_y^T x (or its low-rank form), into `main_grad` when megatron DDP owns it.
 
-    Returns the tensor to hand back to autograd: the gradient itself, or (main_grad path) a dummy
-    that megatron's DDP hook drops because `grad_added_to_main_grad` is set, exactly like megatron's
-    own gradient-accumulation fusion.
+    Returns the tensor to hand back to autograd: the gradient itself, or (main_grad path) None,
+    so autograd leaves `param.grad` empty and megatron's DDP hook adds nothing. Megatron's own
+    gradient-accumulation fusion sets `grad_added_to_main_grad` instead, but that flag stays set
+    until the next step's `zero_grad_buffer`, so an exact micro-batch after a degraded one in the
+    same step would have its FFN weight gradients dropped by the hook (tested).
     """
     main_grad = getattr(param, "main_grad", None)
     if main_grad is not None and hasattr(param, "grad_added_to_main_grad"):
@@ -144,10 +147,7 @@ def _weight_grad(param: torch.nn.Parameter, g_out: Tensor, x_or_proj: Tensor, v:
             lowrank_weight_grad(g_out, x_or_proj, v, out=main_grad, accumulate=True)
         else:
             main_grad.addmm_(g_out.t().to(main_grad.dtype), x_or_proj.to(main_grad.dtype))
-        param.grad_added_to_main_grad = True
-        if getattr(param, "zero_out_wgrad", False):
-            return torch.zeros_like(param)
-        return torch.empty_like(param)
+        return None
     if v is not None:
         return lowrank_weight_grad(g_out, x_or_proj, v).to(param.dtype)
     return (g_out.t() @ x_or_proj).to(param.dtype)
@@ -161,7 +161,7 @@ class DegradedFfnFunction(torch.autograd.Function):
         w = call.weights
         shape = x.shape  # [s, b, d]
         x2d = x.reshape(-1, shape[-1])  # [t, d], t = s * b tokens
-        ln = _rms_norm(x2d, w, norm_weight)  # [t, d]
+        ln = rms_norm(x2d, w, norm_weight)  # [t, d]
         a, x1_proj = _matmul_and_project(ln, fc1, call.v1)  # a [t, 2f/tp], x1_proj [t, r1]
         act = _activation(a, w)  # [t, f/tp]
         out, x2_proj = _matmul_and_project(act, fc2, call.v2)  # partial sum [t, d], x2_proj [t, r2]
@@ -197,7 +197,7 @@ class DegradedFfnFunction(torch.autograd.Function):
         with torch.enable_grad():
             x_leaf = saved["x"].detach().requires_grad_(True)
             gain = w.norm_weight.detach().requires_grad_(need_norm_w)
-            ln = _rms_norm(x_leaf, w, gain)
+            ln = rms_norm(x_leaf, w, gain)
         a = saved["a"] if "a" in saved else ln.detach() @ w.fc1.t()  # recompute fc1 [t, 2f/tp]
         with torch.enable_grad():
             a_leaf = a.detach().requires_grad_(True)

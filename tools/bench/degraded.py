@@ -7,12 +7,15 @@
 
 For each model: a normal rank (M exact micro-batches), naive Neighbor-Do-Both (2M exact), MeCeFO
 neighbour (2M degraded), and the slowest rank of `spread` and `hybrid` for n = 4, 8, 32 (one dead
-replica; hybrid planned with a cost model measured here). Each scenario is one real training step
-(`Engine.train_step` with the scenario's task list as its plan: megatron schedule, DDP `main_grad`
-accumulation, megatron AdamW) on a world-1 job over the demo corpus; DP communication is not
-included (per-rank compute, as DESIGN.md section 4 prescribes on CPU). Peak
-activation memory: CPU = bytes autograd saves for one micro-batch (saved-tensor hooks), GPU =
-torch.cuda.max_memory_allocated above the weights. Prints a table and writes JSON.
+replica; hybrid planned with a cost model calibrated on held-out task lists on a separate engine,
+or read from an earlier run with --calibration, so every "pred" is out of sample; the JSON
+records the prediction error of each row and whether the fallback cost model was used). Each
+scenario is one real training step (`Engine.train_step` with the scenario's task list as its
+plan: megatron schedule, DDP `main_grad` accumulation, megatron AdamW) on a world-1 job over the
+demo corpus; DP communication is not included (per-rank compute, as DESIGN.md section 4
+prescribes on CPU). Peak activation memory: CPU = bytes autograd saves for one micro-batch
+(saved-tensor hooks), GPU = torch.cuda.max_memory_allocated above the weights. Prints a table and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def parse_args() -> argparse.Namespace:
         help="also report the degraded gradient error after this many exact steps",
     )
     p.add_argument("--demo-dir", default=".cache/demo_data", help="embedded demo corpus location")
+    p.add_argument(
+        "--calibration",
+        default=None,
+        help="degraded.json of an earlier run whose cost model the planner uses (default: "
+        "calibrate here on held-out task lists)",
+    )
     p.add_argument("--out", default="bench_out/degraded.json")
     return p.parse_args()
 
@@ -201,42 +210,22 @@ def timed_round_robin(rank: EngineRank, scenarios: dict, reps: int) -> dict:
 
 
 def bench_model(name: str, args, ctx) -> dict:
-    from megatron_mecefo.plan import CostModel, make_step_plans
+    from megatron_mecefo.plan import make_step_plans
     from megatron_mecefo.plan.takeover import plan_step_times
 
     m, reps = args.microbatches, args.reps
     rank = EngineRank(name, args, ctx)
     model_cfg = rank.model_cfg
-    # Calibration over the range takeover plans use (M .. 2M micro-batches): marginal costs are the
-    # chords from M to 2M (exact) and from M exact to M exact + M degraded. Step time is convex in
-    # the load here (2M costs > 2x M), so chords over-estimate loads in between: plans stay safe.
-    calib = timed_round_robin(
-        rank,
-        {"exact": [False] * m, "double": [False] * (2 * m), "mixed": [False] * m + [True] * m},
-        reps,
-    )
-    exact_mb = max(1e-9, (calib["double"] - calib["exact"]) / m)
-    degraded_mb = max(1e-9, (calib["mixed"] - calib["exact"]) / m)
-    intercept = calib["exact"] - m * exact_mb  # the model's normal step = the measured one
-    if intercept + exact_mb <= 0:  # noise made the chord absurdly steep (too few --reps)
-        print(
-            f"  warning: noisy calibration (intercept {intercept * 1e3:.1f} ms); using the "
-            "proportional model T = k x per-micro-batch time instead; raise --reps"
-        )
-        exact_mb, intercept = calib["exact"] / m, 0.0
-        degraded_mb = min(degraded_mb, exact_mb)
-    cost = CostModel.from_measured(
-        exact_microbatch_s=exact_mb, degraded_microbatch_s=degraded_mb, step_overhead_s=intercept
-    )
+    cost, calibration = load_or_calibrate(name, args, ctx)
     print(
         f"{name}: {model_cfg.num_layers} layers, d={model_cfg.hidden_size}, "
         f"f={model_cfg.ffn_hidden_size}, s={model_cfg.seq_length}, mbs={args.mbs}, M={m}"
     )
     # scenario label -> (flags, n, predicted seconds)
     scenarios = {
-        "normal": ([False] * m, None, None),
-        "ndb_naive": ([False] * (2 * m), None, None),
-        "mecefo_neighbor": ([True] * (2 * m), None, None),
+        "normal": ([False] * m, None, cost.step_time(m, 0)),
+        "ndb_naive": ([False] * (2 * m), None, cost.step_time(2 * m, 0)),
+        "mecefo_neighbor": ([True] * (2 * m), None, cost.step_time(0, 2 * m)),
     }
     for n in args.replicas:
         alive = list(range(1, n))  # replica 0 dead
@@ -271,6 +260,8 @@ def bench_model(name: str, args, ctx) -> dict:
     normal = rows[0]["step_s"]
     for row in rows:
         row["ratio"] = row["step_s"] / normal
+        row["predicted_ratio"] = row["predicted_s"] / cost.step_time(m, 0)
+        row["prediction_error"] = row["predicted_s"] / row["step_s"] - 1.0  # out of sample
         row["memory_ratio"] = row["peak_activation_bytes"] / rows[0]["peak_activation_bytes"]
     # exact-mode overhead of the hooks: hooked vs un-hooked model, same task list
     plain = EngineRank(name, args, ctx, hooked=False)
@@ -287,10 +278,66 @@ def bench_model(name: str, args, ctx) -> dict:
         "mbs": args.mbs,
         "microbatches": m,
         "cost_model": vars(cost),
+        "calibration": calibration,
         "rows": rows,
+        "prediction_error_abs_mean": sum(abs(r["prediction_error"]) for r in rows) / len(rows),
         "exact_mode_overhead": t_hooked / t_plain - 1.0,
         "svd_refresh_s": svd_s,
     }
+
+
+def load_or_calibrate(name: str, args, ctx):
+    """The planner's cost model, never fitted on the steps it predicts.
+
+    With `--calibration FILE` (a degraded.json of an earlier run) it is read from there. Otherwise
+    it is calibrated here on a separate engine, on held-out task lists that are not among the
+    table's scenarios: M/2 and 3M/2 exact micro-batches (exact marginal cost: the chord), and M/2
+    exact + M degraded (degraded marginal cost). Every table row is then a prediction out of
+    sample. Returns (CostModel, JSON-able record incl. whether the fallback model was used).
+    """
+    from megatron_mecefo.plan import CostModel
+
+    if args.calibration:
+        data = json.loads(Path(args.calibration).read_text())
+        entry = next((r for r in data["models"] if r["model"] == name), None)
+        if entry is None:
+            raise SystemExit(f"error: {args.calibration} has no cost model for {name}")
+        cost = CostModel.from_measured(**entry["cost_model"])
+        return cost, {"source": str(args.calibration), "fallback": False}
+    m = args.microbatches
+    lo, hi = max(1, m // 2), m + max(1, m // 2)
+    calib_rank = EngineRank(name, args, ctx)
+    calib = timed_round_robin(
+        calib_rank,
+        {
+            "lo": [False] * lo,
+            "hi": [False] * hi,
+            "lo_degraded": [False] * lo + [True] * m,
+        },
+        args.reps,
+    )
+    del calib_rank
+    exact_mb = max(1e-9, (calib["hi"] - calib["lo"]) / (hi - lo))
+    degraded_mb = max(1e-9, (calib["lo_degraded"] - calib["lo"]) / m)
+    intercept = calib["lo"] - lo * exact_mb
+    fallback = intercept + exact_mb <= 0  # noise made the chord absurdly steep
+    if fallback:
+        print(
+            f"  warning: noisy calibration (intercept {intercept * 1e3:.1f} ms); using the "
+            "proportional fallback model T = k x per-micro-batch time instead; raise --reps"
+        )
+        exact_mb, intercept = calib["lo"] / lo, 0.0
+        degraded_mb = min(degraded_mb, exact_mb)
+    cost = CostModel.from_measured(
+        exact_microbatch_s=exact_mb, degraded_microbatch_s=degraded_mb, step_overhead_s=intercept
+    )
+    record = {
+        "source": "held-out task lists on a separate engine",
+        "task_lists": {"lo": lo, "hi": hi, "lo_degraded": [lo, m]},
+        "step_s": calib,
+        "fallback": fallback,
+    }
+    return cost, record
 
 
 def refresh_time(rank: EngineRank, tau: int) -> float:
@@ -396,16 +443,20 @@ def print_table(result: dict) -> None:
     )
     print(
         f"{'scenario':<18}{'n':>4}{'mb':>5}{'degr':>6}{'step ms':>10}{'ratio':>8}"
-        f"{'pred':>8}{'act MiB':>10}{'act ratio':>10}"
+        f"{'pred (err)':>14}{'act MiB':>10}{'act ratio':>10}"
     )
-    normal = result["rows"][0]["step_s"]
     for r in result["rows"]:
-        pred = f"{r['predicted_s'] / normal:.2f}" if r["predicted_s"] else "-"
+        pred = f"{r['predicted_ratio']:.2f} ({r['prediction_error']:+.0%})"
         print(
             f"{r['scenario']:<18}{r['n'] or '-':>4}{r['microbatches']:>5}{r['degraded']:>6}"
-            f"{r['step_s'] * 1e3:>10.1f}{r['ratio']:>8.2f}{pred:>8}"
+            f"{r['step_s'] * 1e3:>10.1f}{r['ratio']:>8.2f}{pred:>14}"
             f"{r['peak_activation_bytes'] / 2**20:>10.2f}{r['memory_ratio']:>10.2f}"
         )
+    print(
+        f"planner's prediction (cost model: {result['calibration']['source']}, fallback "
+        f"{result['calibration']['fallback']}): mean |error| "
+        f"{result['prediction_error_abs_mean']:.1%} out of sample"
+    )
     print(
         f"exact-mode hook overhead: {result['exact_mode_overhead'] * 100:+.1f}% ; "
         f"V refresh of all layers: {result['svd_refresh_s'] * 1e3:.1f} ms every tau steps"

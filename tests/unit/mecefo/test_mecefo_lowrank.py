@@ -97,7 +97,8 @@ def test_main_grad_accumulation_like_megatron_ddp():
         p.grad_added_to_main_grad = False
     _grads(w, _degraded(8, 12))
     for p, g in ((w.fc1, ref[3]), (w.fc2, ref[4])):
-        assert p.grad_added_to_main_grad  # megatron DDP's hook will not add param.grad again
+        assert p.grad is None  # nothing for megatron DDP's hook to add again
+        assert not p.grad_added_to_main_grad  # a later exact micro-batch's grad still counts
         torch.testing.assert_close(p.main_grad, g + 0.5)
 
 
@@ -136,3 +137,82 @@ def test_cache_refreshes_per_bucket_and_never_in_place():
     assert v1 is not v0 and not torch.allclose(v1 @ v1.T, v0 @ v0.T)
     with pytest.raises(ValueError, match="rank"):
         top_right_singular_vectors(w, 17)
+
+
+def _known_svd(m: int, n: int, seed: int = 0):
+    """W [m, n] = U diag(s) V^T with distinct singular values 3.0 .. 0.1 and known V [n, n]."""
+    gen = torch.Generator().manual_seed(seed)
+    u, _ = torch.linalg.qr(torch.randn(m, n, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    s = torch.linspace(3.0, 0.1, n, dtype=torch.float64)
+    return u @ torch.diag(s) @ v.T, v
+
+
+def _lowrank_error(x, g, v):
+    """Relative error of G_W ~= (G_y^T (x V)) V^T against G_W = G_y^T x."""
+    from megatron_mecefo.kernels import lowrank_weight_grad
+
+    exact = g.T @ x
+    return _rel(lowrank_weight_grad(g, x @ v, v), exact)
+
+
+def test_weight_svd_basis_is_the_unique_exact_one_when_inputs_lie_in_its_span():
+    """Inputs x in the span of W's top-r right singular vectors: that basis reproduces G_W exactly
+    (error 0, the minimum); any other r-dimensional subspace drops part of x, so its error is
+    > 0. A basis that is not W's top singular vectors (bottom ones, left ones, a random or a
+    slightly rotated subspace) fails the first assertion."""
+    m, n, r, t = 24, 16, 4, 64
+    w, v_true = _known_svd(m, n)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(t, r, generator=gen, dtype=torch.float64) @ v_true[:, :r].T  # [t, n]
+    g = torch.randn(t, m, generator=gen, dtype=torch.float64)
+    v = top_right_singular_vectors(w, r)
+    assert _lowrank_error(x, g, v) < 1e-12
+    cache = SingularVectorCache(rank=r, method="exact", seed=0)
+    assert _lowrank_error(x, g, cache.get(w, 0).double()) < 1e-12
+    rotation = torch.linalg.matrix_exp(0.05 * (torch.eye(n) - torch.eye(n).roll(1, 0)).double())
+    others = {
+        "bottom singular vectors": v_true[:, n - r :],
+        "random subspace": torch.linalg.qr(torch.randn(n, r, generator=gen).double())[0],
+        "rotated by 0.05 rad": rotation @ v_true[:, :r],
+    }
+    for label, other in others.items():
+        assert _lowrank_error(x, g, other) > 0.01, label
+
+
+def test_activation_basis_follows_the_inputs_not_the_weight():
+    """Inputs in W's *bottom* right singular subspace: the activation basis (top eigenvectors of
+    E[x x^T]) is exact there, the weight basis loses almost everything."""
+    from megatron_mecefo.mecefo.lowrank import InputSecondMoment
+
+    m, n, r, t = 24, 16, 4, 64
+    w, v_true = _known_svd(m, n)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(t, r, generator=gen, dtype=torch.float64) @ v_true[:, n - r :].T
+    g = torch.randn(t, m, generator=gen, dtype=torch.float64)
+    stats = InputSecondMoment(max_tokens=8, window=50)
+    cache = SingularVectorCache(rank=r, method="exact", seed=0, stats=stats)
+    stats.update(x[:8])  # 8 tokens < n = 16: not ready, V comes from the weight
+    assert not stats.ready
+    v_weight = cache.get(w, 0)
+    assert cache.source == "weight_svd" and _lowrank_error(x, g, v_weight) > 0.9
+    stats.update(x[8:40])  # strided to 8 of these 32 tokens
+    assert stats.ready and stats.tokens_seen == 16 and stats.updates == 2
+    torch.testing.assert_close(stats.moment, (x[:8].T @ x[:8] + x[8:40:4].T @ x[8:40:4]) / 16)
+    assert cache.get(w, 0) is v_weight  # same bucket: cached
+    v_act = cache.get(w, 1)
+    assert cache.source == "activation" and _lowrank_error(x, g, v_act) < 1e-12
+    cache.clear()
+    assert cache.vectors is None and stats.moment is None and not stats.ready
+
+
+def test_second_moment_is_a_mean_then_an_exponential_average():
+    from megatron_mecefo.mecefo.lowrank import InputSecondMoment
+
+    stats = InputSecondMoment(max_tokens=4, window=2)
+    xs = [torch.full((4, 3), float(k), dtype=torch.float64) for k in (1, 2, 3)]
+    for x in xs:
+        stats.update(x)
+    m = [x.T @ x / 4 for x in xs]
+    # mean of the first two (window = 2), then decay 1 - 1/2
+    torch.testing.assert_close(stats.moment, 0.5 * (0.5 * (m[0] + m[1])) + 0.5 * m[2])

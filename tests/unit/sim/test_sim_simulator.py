@@ -136,3 +136,27 @@ def test_bad_inputs():
         JobConfig(num_gpus=100, gpus_per_group=7)
     with pytest.raises(ConfigError, match="outside"):
         simulate(SMALL, StrategyConfig(name="ckpt"), trace((1.0, 99, math.inf)))
+
+
+@pytest.mark.timeout(60)
+def test_rejoin_restores_the_failure_free_step_time_by_hand():
+    """One failure at t = 200 s (progress 20 steps), back 300 s later, no pauses or saves: the
+    step-time multiplier applies only while the group is away. Without the rejoin (or with a
+    rejoin that does nothing) each TTT below is larger."""
+    events = trace((200.0, 1, 300.0))
+    mecefo = dict(name="mecefo", failover_s=0.0, checkpoint_interval_s=1e9)
+    # spread, N = 8, M = 8: 1 + ceil(8 / 7) / 8 = 1.25 -> 300 s = 24 steps; 56 left at 10 s
+    res = simulate(SMALL, StrategyConfig(**mecefo, takeover_policy="spread"), events)
+    assert res.ttt_s == pytest.approx(500.0 + 56 * 10.0)
+    # neighbor, measured ratio 1.51: 300 / 15.1 steps while away
+    res = simulate(SMALL, StrategyConfig(**mecefo, takeover_policy="neighbor"), events)
+    assert res.ttt_s == pytest.approx(500.0 + (80 - 300.0 / 15.1) * 10.0)
+    # SPARe r = 3: S = 2 while away (300 s = 15 steps), back to S = 1 after
+    cfg = StrategyConfig(name="spare", redundancy=3, checkpoint_interval_s=1e9)
+    res = simulate(SMALL, cfg, events)
+    assert res.ttt_s == pytest.approx(500.0 + 65 * 10.0) and res.masked_failures == 1
+    # replication r = 2: a rejoined group makes its set whole again, so the partner's death
+    # (600 s) is not fatal; without the rejoin it would be (same set {0, 1})
+    cfg = StrategyConfig(name="replication", redundancy=2, checkpoint_interval_s=1e9)
+    res = simulate(SMALL, cfg, trace((200.0, 1, 300.0), (600.0, 0, math.inf)))
+    assert res.restarts == 0 and res.ttt_s == pytest.approx(2 * SMALL.t0_s)

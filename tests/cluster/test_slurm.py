@@ -1,0 +1,282 @@
+"""`launch/slurm/pretrain.sbatch` against a REAL Slurm: Debian's slurmctld + slurmd + munge run a
+one-node cluster on localhost (`tests/cluster/slurm_local.sh`), and each test submits the script
+with `sbatch` as a user would: 2 tasks = 2 "nodes" (the script ranks nodes by SLURM_PROCID), the
+tiny CPU config. Checked: a clean job completes and learns; a rank SIGKILLed mid-run is restarted
+and rejoins while the job completes; a lost node (its agent and ranks SIGKILLed) does not stop the
+other node (srun --kill-on-bad-exit=0 against a cluster with KillOnBadExit=1); a SIGUSR1 stop
+saves a final checkpoint, the job requeues itself and the second run resumes from that step.
+
+Skipped, with one message saying why, only where Slurm cannot be installed or run (not root, no
+apt-get, no network). There is no slurmdbd, so job states come from `scontrol show job`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+HARNESS = ROOT / "tests" / "cluster" / "slurm_local.sh"
+SBATCH = ROOT / "launch" / "slurm" / "pretrain.sbatch"
+# Warm spares only speed up restarts; without them a job starts faster on the 2-core CI machine.
+NO_SPARES = {"MECEFO_WARM_SPARES": "0"}
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Cluster:
+    dir: Path
+    env: dict[str, str]
+
+    def run(self, *cmd: str, check: bool = True) -> str:
+        res = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=60)
+        if check and res.returncode != 0:
+            raise AssertionError(f"{' '.join(cmd)} failed ({res.returncode}): {res.stderr}")
+        return res.stdout
+
+    def job(self, job_id: str) -> dict[str, str]:
+        """`scontrol show job -o` as a dict (JobState, ExitCode, Restarts, ...)."""
+        out = self.run("scontrol", "show", "job", "-o", job_id)
+        return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> Cluster:
+    """Install (if needed) and start the one-node cluster; stop its daemons afterwards."""
+    if os.environ.get("MECEFO_SKIP_SLURM"):
+        pytest.skip("Slurm tests skipped: MECEFO_SKIP_SLURM is set")
+    install = subprocess.run(
+        ["bash", str(HARNESS), "install"], capture_output=True, text=True, timeout=600
+    )
+    if install.returncode == 3:
+        pytest.skip(f"Slurm tests skipped: {install.stderr.strip().splitlines()[-1]}")
+    assert install.returncode == 0, install.stdout + install.stderr
+    cluster_dir = tmp_path_factory.mktemp("slurm")
+    start_cmd = ["bash", str(HARNESS), "start", str(cluster_dir)]
+    start = subprocess.run(start_cmd, capture_output=True, text=True, timeout=120)
+    if start.returncode == 3:
+        pytest.skip(f"Slurm tests skipped: {start.stderr.strip().splitlines()[-1]}")
+    assert start.returncode == 0, start.stdout + start.stderr
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    env = {**os.environ, "PATH": path, "SLURM_CONF": str(cluster_dir / "slurm.conf")}
+    try:
+        yield Cluster(cluster_dir, env)
+    finally:
+        subprocess.run(["bash", str(HARNESS), "stop", str(cluster_dir)], timeout=120, check=False)
+
+
+@dataclasses.dataclass
+class Job:
+    cluster: Cluster
+    job_id: str
+    dir: Path
+    run_dir: Path
+    log_dir: Path
+
+    def wait(self, timeout_s: float = 240) -> dict[str, str]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = self.cluster.job(self.job_id)
+            if info["JobState"] in FINAL_STATES:
+                return info
+            time.sleep(1)
+        self.cluster.run("scancel", self.job_id, check=False)
+        raise AssertionError(f"job {self.job_id} unfinished after {timeout_s} s\n{self.explain()}")
+
+    def wait_for_step(self, step: int, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(m["step"] >= step for m in self.metrics()):
+                return
+            if self.cluster.job(self.job_id)["JobState"] in FINAL_STATES:
+                break
+            time.sleep(0.5)
+        raise AssertionError(f"job {self.job_id} never reached step {step}\n{self.explain()}")
+
+    def metrics(self) -> list[dict]:
+        return _jsonl(self.run_dir / "metrics.jsonl")
+
+    def events(self) -> list[dict]:
+        return _jsonl(self.run_dir / "events.jsonl")
+
+    def node_log(self, node: int, attempt: int = 0) -> str:
+        path = self.log_dir / f"try{attempt}" / f"node{node}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def exit_codes(self, attempt: int = 0) -> list[str]:
+        folder = self.log_dir / f"try{attempt}"
+        return [p.read_text().strip() for p in sorted(folder.glob("node*.exit"))]
+
+    def output(self) -> str:
+        path = self.dir / "job.out"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def explain(self) -> str:
+        parts = [f"--- job.out\n{self.output()[-3000:]}"]
+        for path in sorted(self.log_dir.glob("try*/*.log")):
+            parts.append(f"--- {path.relative_to(self.log_dir)}\n{path.read_text()[-2500:]}")
+        return "\n".join(parts)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def submit(
+    cluster: Cluster,
+    tmp_path: Path,
+    demo_data_dir: str,
+    *,
+    steps: int,
+    nodes: int = 2,
+    ranks_per_node: int = 1,
+    train_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> Job:
+    """`sbatch pretrain.sbatch` with `nodes` tasks on the one machine (free ports only)."""
+    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    job_env = {
+        **cluster.env,
+        "PYTHON": sys.executable,
+        "PYTHONWARNINGS": "ignore",
+        "MECEFO_NPROC_PER_NODE": str(ranks_per_node),
+        "MECEFO_COORDINATOR_PORT": str(_free_port()),
+        "MECEFO_LOG_DIR": str(log_dir),
+        "MECEFO_RESTART_DELAY_S": "0.5",
+        **(env or {}),
+    }
+    sbatch_args = [
+        "--nodes=1",
+        f"--ntasks={nodes}",
+        f"--ntasks-per-node={nodes}",
+        f"--output={tmp_path / 'job.out'}",
+        f"--chdir={ROOT}",
+        "--time=10",
+    ]
+    trainer_args = [
+        "--config",
+        "configs/run/demo_cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        f"data.demo_dir={demo_data_dir}",
+        "training.eval_interval=0",
+        "logging.print_interval=5",
+        *train_args,
+    ]
+    res = subprocess.run(
+        ["sbatch", "--parsable", *sbatch_args, str(SBATCH), *trainer_args],
+        env=job_env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+    return Job(cluster, res.stdout.strip().split(";")[0], tmp_path, run_dir, log_dir)
+
+
+def assert_completed(job: Job, info: dict[str, str], steps: int, restarts: int = 0) -> None:
+    assert info["JobState"] == "COMPLETED", f"{info['JobState']}\n{job.explain()}"
+    assert info["ExitCode"] == "0:0", f"{info['ExitCode']}\n{job.explain()}"
+    assert info["Restarts"] == str(restarts), f"restarts {info['Restarts']}\n{job.explain()}"
+    assert [m["step"] for m in job.metrics()] == list(range(steps)), job.explain()
+    assert (job.run_dir / "summary.json").exists(), job.explain()
+
+
+def test_job_completes_and_loss_falls(slurm, tmp_path, demo_data_dir):
+    steps = 20
+    job = submit(slurm, tmp_path, demo_data_dir, steps=steps, env=NO_SPARES)
+    info = job.wait()
+    assert_completed(job, info, steps)
+    losses = [m["loss"] for m in job.metrics()]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert job.exit_codes() == ["0", "0"], job.explain()
+    assert {m["replicas_alive"] for m in job.metrics()} == {2}  # both "nodes" trained
+    for node in (0, 1):  # one log per node, each from its own agent
+        assert f"[agent {node}] done (exit 0)" in job.node_log(node), job.explain()
+    assert "training finished" in job.output()
+
+
+def test_rank_killed_mid_run_rejoins_and_job_completes(slurm, tmp_path, demo_data_dir):
+    steps = 24
+    job = submit(slurm, tmp_path, demo_data_dir, steps=steps, train_args=("--inject", "kill:1:6:3"))
+    info = job.wait()
+    assert_completed(job, info, steps)
+    types = [e["type"] for e in job.events()]
+    for kind in ("failure", "detection", "regroup", "rejoin"):
+        assert kind in types, (kind, types, job.explain())
+    failure = next(e for e in job.events() if e["type"] == "failure")
+    assert failure["dp_rank"] == 1, failure
+    assert "restarting rank 1" in job.node_log(1), job.explain()  # node 1's agent, not node 0's
+    fo = json.loads((job.run_dir / "summary.json").read_text())["failover"]
+    assert fo["failures"] >= 1 and fo["rejoins"] >= 1 and fo["samples_lost"] == 0, fo
+    assert job.metrics()[-1]["replicas_alive"] == 2  # the rank is back by the end
+
+
+def test_lost_node_does_not_stop_the_other(slurm, tmp_path, demo_data_dir):
+    """SIGKILL node 1's agent and its ranks (what a node crash looks like to the rest): srun must
+    keep node 0's task (--kill-on-bad-exit=0 on a cluster with KillOnBadExit=1), the survivor
+    finishes the run alone, and the job completes."""
+    import psutil
+
+    steps = 30
+    job = submit(slurm, tmp_path, demo_data_dir, steps=steps, env=NO_SPARES)
+    job.wait_for_step(5)
+    agent = psutil.Process(int((job.log_dir / "try0" / "node1.pid").read_text()))
+    for proc in [*agent.children(recursive=True), agent]:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    info = job.wait()
+    assert_completed(job, info, steps)
+    assert job.exit_codes() == ["0", "137"], job.explain()  # node 1: agent SIGKILLed
+    assert job.metrics()[-1]["replicas_alive"] == 1, job.metrics()[-1]
+    assert "failure" in [e["type"] for e in job.events()]
+
+
+@pytest.mark.timeout(480)  # two job starts
+def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path, demo_data_dir):
+    """`scancel --batch --signal=USR1` (what Slurm sends before the time limit with
+    --signal=B:USR1@T): the ranks save a final checkpoint and exit 9, the script requeues the job,
+    and the second run resumes from that checkpoint. checkpoint.interval is larger than the run,
+    so the only checkpoint there can be is the one written at the stop."""
+    steps = 100  # the stop lands within a step or two of the signal: dozens of steps to spare
+    train_args = ("checkpoint.interval=100000",)
+    job = submit(slurm, tmp_path, demo_data_dir, steps=steps, train_args=train_args, env=NO_SPARES)
+    job.wait_for_step(5)
+    slurm.run("scancel", "--batch", "--signal=USR1", job.job_id)
+    info = job.wait(timeout_s=280)
+    assert_completed(job, info, steps, restarts=1)
+    assert job.exit_codes(0) == ["9", "9"], job.explain()  # PREEMPTED on both nodes
+    assert job.exit_codes(1) == ["0", "0"], job.explain()
+    out = job.output()
+    assert "got SIGUSR1" in out and "requeueing" in out, out
+    resumed = [line for line in job.node_log(0, attempt=1).splitlines() if "resumed from" in line]
+    assert resumed, job.explain()
+    resume_step = int(resumed[0].rsplit("at step", 1)[1])
+    assert 5 <= resume_step < steps, resumed
+    stopped = job.node_log(0, attempt=0)
+    assert f"stopping after step {resume_step - 1}" in stopped, job.explain()
+    assert (job.run_dir / "checkpoints" / f"step_{resume_step:08d}").exists()

@@ -1,0 +1,271 @@
+"""`tools/bench/report.py`: the report builder on hand-made JSONs (trimmed from real `--quick`
+runs of each tool), the plots' data, and the runner's handling of a failing or missing tool.
+No benchmark runs here."""
+
+import datetime as dt
+import importlib.util
+import json
+import struct
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+NOW = dt.datetime(2026, 1, 2, 3, 4, 5)
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "tools/bench/report.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_report"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+report = _load_tool()
+
+# mecefo-sim simulate --json (trimmed); TTT/T0 picked so the drops are round numbers.
+SIM = {
+    "num_groups": 8,
+    "t0_h": 10.0,
+    "failures_in_trace": 45,
+    "elapsed_s": 0.002,
+    "results": [
+        {"strategy": "ckpt", "finished": True, "ttt_h": 12.5, "ttt_over_t0": 1.25,
+         "restarts": 1, "masked_failures": 0, "mean_step_multiplier": 1.0},
+        {"strategy": "snapshot", "finished": False, "ttt_h": float("inf"),
+         "ttt_over_t0": float("inf"), "restarts": 1, "masked_failures": 0},
+        {"strategy": "mecefo neighbor", "finished": True, "ttt_h": 10.4, "restarts": 0,
+         "masked_failures": 1},  # no ttt_over_t0: taken from ttt_h / t0_h = 1.04
+        {"strategy": "mecefo hybrid", "finished": True, "ttt_h": 10.1, "ttt_over_t0": 1.01,
+         "restarts": 0, "masked_failures": 1},
+    ],
+}  # fmt: skip
+REPRODUCE = {
+    "level": "gpu",
+    "rows": [
+        {"N": 200, "rep_ckpt": 5.719772142640832, "rep_r": 3, "spare_ckpt": 3.017319015070476,
+         "spare_r": 10, "paper_rep_ckpt": 6.07, "paper_spare_ckpt": 2.92},
+        {"N": 600, "rep_ckpt": 4.55, "rep_r": 3, "spare_ckpt": 2.63, "spare_r": 6},
+        {"N": 1000, "rep_ckpt": 4.17, "rep_r": 3, "spare_ckpt": 2.46, "spare_r": 7},
+    ],
+}  # fmt: skip
+FAILOVER = {
+    "machine": "vm",
+    "cpus": 2,
+    "failures": [
+        {"kind": "kill", "detection_ms": 302.1, "regroup_ms": 385.3, "rejoin_ms": 551.3,
+         "rejoin_state_mb": 2.017827, "rejoin_transfer_ms": 91.8, "steps_redone": 1,
+         "samples_lost": 0, "steps_completed": 30},
+        {"kind": "hang", "detection_ms": 3252.0, "regroup_ms": 3379.6, "rejoin_ms": None,
+         "rejoin_state_mb": None, "rejoin_transfer_ms": None, "steps_redone": 1,
+         "samples_lost": 0, "steps_completed": 30},
+    ],
+    "overhead": {"failover_step_s": [0.0700], "torchrun_step_s": [0.0680],
+                 "overhead_fraction": 0.0294, "vote_ms_per_step": [0.65]},
+    "sim_inputs": {"failover_s": 1.36},
+}  # fmt: skip
+RECOVERY = {
+    "machine": "x86_64 2 cores, 3.11.7, CPU",
+    "threads": 1,
+    "models": {
+        "tiny": {
+            "overhead": {
+                "0": {"median_step_s": 0.040, "overhead_pct": 0.0, "blocked_ms_per_step": 0.0,
+                      "blocked_pct": 0.0},
+                "1": {"median_step_s": 0.0406, "overhead_pct": 1.5, "blocked_ms_per_step": 0.3,
+                      "blocked_pct": 0.75},
+                "5": {"median_step_s": 0.0401, "overhead_pct": 0.25, "blocked_ms_per_step": 0.06,
+                      "blocked_pct": 0.15},
+            },
+            "copy": {"bytes": 2017827, "snapshot_copy_gbps": 1.9, "memcpy_dram_gbps": 4.1,
+                     "memcpy_shm_gbps": 2.2},
+            "restore": {"state_mb": 2.0, "shm_s": 0.012, "parity_rebuild_s": 0.05,
+                        "parity_total_s": 0.066, "disk_s": 0.41},
+        }
+    },
+    "end_to_end": {
+        "snapshot: every trainer killed": {"exit": 0, "wall_s": 30.0, "failure_step": 10,
+                                           "recovery_ms": 2480.0, "resumed_step": 9,
+                                           "source": "shared memory", "steps_recomputed": 1},
+    },
+    "encode_gbps": {"xor_k4": 3.5, "rs_k4_m2": 0.42},
+    "memory_overhead": {"xor_n4": 0.25, "xor_n8": 0.125, "rs_n8_m2": 0.25, "replication_f2": 1.0},
+}  # fmt: skip
+CONVERGENCE = {
+    "args": {"corpus": "demo", "model": "tiny", "steps": 60, "replicas": 4},
+    "failure_free": {"val_loss": 3.0, "loss_curve": [6.2, 3.1]},
+    "rows": [
+        {"scenario": "moderate", "config": "hybrid", "policy": "hybrid", "val_loss": 3.015,
+         "gap_loss_pct": 0.5, "gap_ppl_pct": 1.511, "step_time_ratio": 1.14},
+    ],
+}  # fmt: skip
+
+
+def _write(directory: Path, **data) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, value in data.items():
+        (directory / f"{name}.json").write_text(json.dumps(value))
+    return directory
+
+
+def _build(tmp_path, manifest=None, **data) -> str:
+    json_dir = _write(tmp_path / "json", **data)
+    return report.build_report(
+        json_dir, tmp_path / "BENCH.md", tmp_path / "png", manifest=manifest, now=NOW
+    )
+
+
+def test_throughput_drop_is_one_minus_t0_over_ttt():
+    rows = {r["strategy"]: r for r in report.throughput_drops(SIM)}
+    assert rows["ckpt"]["drop_pct"] == pytest.approx(20.0)  # 1 - 1/1.25
+    assert rows["mecefo neighbor"]["ttt_over_t0"] == pytest.approx(1.04)
+    assert rows["mecefo neighbor"]["drop_pct"] == pytest.approx(100 * (1 - 1 / 1.04))
+    assert rows["snapshot"]["drop_pct"] is None  # never finished: no throughput at all
+
+
+def test_report_pins_numbers_from_the_inputs(tmp_path):
+    md = _build(
+        tmp_path,
+        sim_mecefo_high_64=SIM,
+        sim_reproduce=REPRODUCE,
+        failover=FAILOVER,
+        # the two halves of recovery.py as report.py runs them (the PNG test feeds one JSON)
+        recovery={k: v for k, v in RECOVERY.items() if k != "end_to_end"},
+        recovery_e2e={"models": {}, "end_to_end": RECOVERY["end_to_end"]},
+        convergence=CONVERGENCE,
+    )
+    assert "2026-01-02T03:04:05" in md
+    assert "| ckpt | 1.2500 | 20.00% | 1 | 0 |" in md
+    assert "| mecefo neighbor | 1.0400 | 3.85% | 0 | 1 |" in md
+    assert "| mecefo hybrid | 1.0100 | 0.99% | 0 | 1 |" in md
+    assert "| snapshot | inf | did not finish |" in md
+    assert "**1.07%** (350M), **2.98%** (1B), **4.18%** (7B)" in md
+    # SPARe: gap = ours / paper - 1; the paper's values fall back to the built-in table.
+    assert "| 200 | 5.72 | 6.07 | -5.8% | 3.02 | 2.92 | +3.3% | 3 / 10 |" in md
+    assert "| 600 | 4.55 | 4.27 | +6.6% | 2.63 | 2.49 | +5.6% | 3 / 6 |" in md
+    assert "| kill | 302 ms | 385 ms | 551 ms | 2.02 MB in 92 ms | 1 | 0 |" in md
+    assert "| hang | 3252 ms | 3380 ms | - | - MB in - ms | 1 | 0 |" in md
+    assert "+2.9%; commit vote median 0.65 ms" in md
+    assert "| snapshot: every trainer killed | 2480 ms | shared memory | 1 | 0 |" in md
+    assert "| tiny | 1 | 40.6 ms | +1.5% | 0.30 ms | 0.75% |" in md
+    assert "| tiny | 2.0 MB | 1.90 / 2.20 / 4.10 | 12 ms | 66 ms | 410 ms |" in md
+    assert "| moderate | hybrid | hybrid | 3.0150 | +0.500% | +1.511% | 1.14x |" in md
+    # a JSON from an earlier run without a manifest entry says so instead of inventing a machine
+    assert "unknown machine" in md
+
+
+def test_missing_or_failed_tool_is_reported_not_measured(tmp_path):
+    manifest = {
+        "degraded": {"status": "failed", "reason": "exit 1: RuntimeError: boom", "wall_s": 2.0,
+                     "command": "python tools/bench/degraded.py --out x.json"},
+    }  # fmt: skip
+    md = _build(tmp_path, manifest=manifest, sim_mecefo_high_64=SIM)
+    line = "not measured: `tools/bench/failover.py` (failover latencies): no JSON at"
+    assert f"> {line}" in md
+    closing = md.split("## Not measured", 1)[1]
+    assert f"- {line}" in closing and "`tools/bench/convergence.py`" in closing
+    assert "not measured: `tools/bench/degraded.py` (degraded-mode step time): failed: exit 1: " \
+           "RuntimeError: boom" in md  # fmt: skip
+    assert "| degraded | failed | 2.0 s |" in md  # the runs table
+    # a tool that ran is not in the closing list
+    assert "mecefo_high, 64 GPUs" not in closing
+
+
+def test_unexpected_json_shape_is_not_measured_not_a_crash(tmp_path):
+    md = _build(tmp_path, failover={"failures": [{"kind": "kill", "detection_ms": "soon"}]})
+    section = md.split("## Detection, regroup and recovery times", 1)[1].split("\n## ")[0]
+    assert "not measured: the JSON for this section has an unexpected shape" in section
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_pngs_are_written_and_linked(tmp_path):
+    md = _build(tmp_path, sim_mecefo_high_64=SIM, sim_reproduce=REPRODUCE, recovery=RECOVERY)
+    written = sorted(p.name for p in (tmp_path / "png").iterdir())
+    assert written == ["latencies.png", "snapshot_overhead.png", "spare_ttt.png",
+                       "throughput_drop.png"]  # fmt: skip
+    for name in written:
+        assert _png_size(tmp_path / "png" / name) == (800, 450)
+        assert f"](png/{name})" in md
+
+
+def _bar_heights(fig) -> list[float]:
+    return [round(p.get_height(), 6) for p in fig.axes[0].patches]
+
+
+def test_throughput_plot_bars_and_paper_markers():
+    rows = report.throughput_drops(SIM)
+    fig = report.plot_throughput_drop({"a": rows, "b": rows[:1]})
+    # scenario a: 3 finished strategies (snapshot has no bar); scenario b: ckpt only
+    assert sorted(_bar_heights(fig)) == sorted(
+        [20.0, round(100 * (1 - 1 / 1.04), 6), round(100 * (1 - 1 / 1.01), 6), 20.0]
+    )
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts.count("did not finish") == 1  # a's snapshot; b never ran it
+    markers = sorted(line.get_ydata()[0] for line in fig.axes[0].lines)
+    assert markers == [1.07, 2.98, 4.18]
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
+        "ckpt", "snapshot", "mecefo neighbor", "mecefo hybrid"
+    ]  # fmt: skip
+
+
+def test_spare_plot_ours_next_to_paper():
+    fig = report.plot_spare(report.spare_rows(REPRODUCE))
+    heights = _bar_heights(fig)
+    assert len(heights) == 12  # 3 N x (Rep ours, Rep paper, SPARe ours, SPARe paper)
+    assert heights[3:6] == [6.07, 4.27, 3.88]  # the Rep+CKPT paper series, one bar per N
+    assert heights[9:12] == [2.92, 2.49, 2.34]
+
+
+def test_latency_and_snapshot_plot_data():
+    rows = report.latency_rows(FAILOVER, RECOVERY)
+    assert [r["label"] for r in rows] == ["kill", "hang", "snapshot: every trainer killed"]
+    fig = report.plot_latencies(rows)
+    # detection 2 + regroup 2 + rejoin 1 (the hang's is None) + recovery 1
+    assert sorted(_bar_heights(fig)) == sorted([302.1, 3252.0, 385.3, 3379.6, 551.3, 2480.0])
+    snap = report.snapshot_rows(RECOVERY)
+    assert [(r["interval"], r["overhead_pct"]) for r in snap] == [(0, 0.0), (1, 1.5), (5, 0.25)]
+    fig = report.plot_snapshot_overhead(snap)
+    lines = fig.axes[0].lines
+    assert len(lines) == 3  # median step, blocked, the 2% target
+    assert list(lines[0].get_xdata()) == [1, 5] and list(lines[1].get_ydata()) == [0.75, 0.15]
+
+
+def _script(tmp_path: Path, body: str) -> str:
+    path = tmp_path / "fake_tool.py"
+    path.write_text(
+        "import argparse, json, sys\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--out'); a = p.parse_args()\n"
+        + textwrap.dedent(body)
+    )
+    return str(path)
+
+
+@pytest.mark.timeout(60)
+def test_runner_records_failure_and_success(tmp_path):
+    failing = report.Tool("x", "fake", _script(tmp_path, "print('boom'); sys.exit(3)\n"))
+    entry = report.run_tool(failing, tmp_path, quick=True, timeout_s=30)
+    assert entry["status"] == "failed" and entry["reason"] == "exit 3: boom"
+    missing = report.Tool("y", "fake", str(tmp_path / "nope.py"))
+    entry = report.run_tool(missing, tmp_path, quick=True, timeout_s=30)
+    assert entry["status"] == "missing" and "does not exist" in entry["reason"]
+    ok = report.Tool("z", "fake", _script(tmp_path, "open(a.out, 'w').write('{\"rows\": []}')\n"))
+    entry = report.run_tool(ok, tmp_path, quick=True, timeout_s=30)
+    assert entry["status"] == "ok" and json.loads((tmp_path / "z.json").read_text()) == {"rows": []}
+    assert entry["wall_s"] > 0 and entry["command"].endswith("--out " + str(tmp_path / "z.json"))
+
+
+def test_cli_skip_run_rebuilds_from_json(tmp_path):
+    _write(tmp_path / "out", sim_mecefo_high_64=SIM)
+    argv = ["--skip-run", "--out-dir", str(tmp_path / "out"), "--md", str(tmp_path / "B.md")]
+    assert report.main([*argv, "--png-dir", str(tmp_path / "png")]) == 0
+    md = (tmp_path / "B.md").read_text()
+    assert "| ckpt | 1.2500 | 20.00% |" in md and "not measured: `tools/bench/step_time.py`" in md
+    assert not (tmp_path / "out" / "manifest.json").exists()  # nothing ran, nothing recorded

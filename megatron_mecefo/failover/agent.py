@@ -146,7 +146,9 @@ class Agent:
             env = {**os.environ, **self._rank_env(rank)}
             env.setdefault("OMP_NUM_THREADS", "1")
             cmd = [sys.executable, "-m", "megatron_mecefo.train", *self.args.trainer_args]
-            self.procs[rank] = subprocess.Popen(cmd, env=env, preexec_fn=_ignore_stop_signal)
+            self.procs[rank] = subprocess.Popen(
+                cmd, env=env, start_new_session=True, preexec_fn=_ignore_stop_signal
+            )
 
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
@@ -159,6 +161,7 @@ class Agent:
                     env=env,
                     stdin=subprocess.PIPE,
                     text=True,
+                    start_new_session=True,  # its own group: killed with what it forks
                     preexec_fn=_ignore_stop_signal,
                 )
             )
@@ -212,6 +215,7 @@ class Agent:
                 self._maybe_evict(rank, proc)
                 continue
             del self.procs[rank]
+            _signal_group(proc, signal.SIGKILL)  # leftovers it forked (checkpoint writers)
             self.evicted.discard(rank)
             if rc in (ExitCode.OK, ExitCode.PREEMPTED):
                 self.finished.add(rank)
@@ -239,7 +243,7 @@ class Agent:
             if rank not in self.evicted:
                 self.log(f"rank {rank} was evicted by the coordinator; killing it")
                 self.evicted.add(rank)
-            proc.kill()
+            _signal_group(proc, signal.SIGKILL)
 
     def _on_death(self, rank: int, rc: int, done: bool) -> None:
         inc = self.incarnation[rank]
@@ -267,7 +271,9 @@ class Agent:
                 "MALLOC_TRIM_THRESHOLD_": "4294967296",
                 **os.environ,
             }
-            self.smp = subprocess.Popen(self.smp_cmd, env=env, preexec_fn=_ignore_stop_signal)
+            self.smp = subprocess.Popen(
+                self.smp_cmd, env=env, start_new_session=True, preexec_fn=_ignore_stop_signal
+            )
 
     def _stop_children(self) -> None:
         if self.smp is not None and self.smp.poll() is None:
@@ -278,14 +284,15 @@ class Agent:
                 self.procs[-1 - i] = spare
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.terminate()
+                _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for proc in self.procs.values():
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                proc.kill()
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
+            _signal_group(proc, signal.SIGKILL)
 
 
 def snapshot_process_command(
@@ -329,6 +336,15 @@ def snapshot_process_command(
         host,
     ]
     return directory, cmd
+
+
+def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Signal the process group a rank leads (it and whatever it forked: a SIGKILLed trainer's
+    checkpoint-writer children would otherwise live on, holding its pipes)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _ignore_stop_signal() -> None:

@@ -361,6 +361,13 @@ class Coordinator:
             "epoch_s": time.time(),
             "failure_epoch_s": failure_epoch_s,
             "step": max(self.job_step, 0),
+            # which incarnation of each rank the generation is for: a restarted rank must not
+            # try to form an older generation that still lists its dead predecessor
+            "incarnations": {
+                str(r): self.ranks[r].incarnation
+                for rep in members
+                for r in self.replica_ranks(rep)
+            },
         }
         self.store.set(keys.gen_record(self.gen), json.dumps(record))
         self.store.set(keys.GEN, str(self.gen))

@@ -44,14 +44,14 @@ class Heartbeat(threading.Thread):
         self.stop_flag = stop_flag or StopFlag()
         """A local stop request (SIGUSR1) is posted to the store; a posted one sets the flag."""
         self._stop_posted = False
-        self._stop = threading.Event()
+        self._stop_event = threading.Event()  # not `_stop`: that is a Thread method
         self._store = keys.connect(address, coordinator_timeout_s)
         self._store.add(keys.heartbeat(rank), 1)
 
     def run(self) -> None:
         last_ok = time.monotonic()
         published = None
-        while not self._stop.wait(self.interval_s):
+        while not self._stop_event.wait(self.interval_s):
             try:
                 self._store.add(keys.heartbeat(self.rank), 1)
                 if self.progress != published:
@@ -92,4 +92,4 @@ class Heartbeat(threading.Thread):
         os._exit(int(code))
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stop_event.set()

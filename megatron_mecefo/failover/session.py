@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def run_with_failover(cfg, args, say) -> int:
     from megatron_mecefo.snapshot.recovery import Recovery, agree_min_over_default_group
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
-    from megatron_mecefo.training.run_dir import RunDir
+    from megatron_mecefo.training.run_dir import RunDir, truncate_metrics
 
     address = os.environ[keys.COORDINATOR_ENV]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -131,6 +132,8 @@ def run_with_failover(cfg, args, say) -> int:
         return ExitCode.OK
     if start_step > 0:
         say(f"rank {rank} (incarnation {incarnation}) rejoined at step {start_step}", flush=True)
+    if manager.is_leader and incarnation > 0:  # after an in-job recovery that rolled back
+        truncate_metrics(Path(cfg.run_dir) / "metrics.jsonl", start_step)
     from megatron_mecefo.config.loader import to_dict
 
     logger = MetricsLogger(

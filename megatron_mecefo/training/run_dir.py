@@ -47,7 +47,7 @@ class RunDir:
         for name in stale:
             (self.path / name).unlink(missing_ok=True)
         if resume_step:
-            _truncate_metrics(self.path / "metrics.jsonl", resume_step)
+            truncate_metrics(self.path / "metrics.jsonl", resume_step)
         (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         env = {**environment_info(), **extra_env}
         (self.path / "env.json").write_text(json.dumps(env, indent=2))
@@ -63,7 +63,7 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _truncate_metrics(path: Path, next_step: int) -> None:
+def truncate_metrics(path: Path, next_step: int) -> None:
     """Keep the metric rows of steps before `next_step` (a crashed run may have logged more)."""
     if not path.exists():
         return

@@ -120,16 +120,17 @@ def test_resume_under_another_dp_size(tmp_path, tmp_path_factory, demo_data_dir)
     assert losses[6:] == pytest.approx(straight[1][6:], rel=1e-5)  # up to reduction order
 
 
-def test_every_replica_lost_then_the_job_resumes_from_disk(tmp_path, demo_data_dir):
+def test_every_replica_lost_recovers_from_disk_in_the_same_launch(tmp_path, demo_data_dir):
+    kill_all = ("kill:0:8", "kill:1:8")
+    nothing = launch(tmp_path, demo_data_dir, nproc=2, steps=20, inject=kill_all, name="bare")
+    assert nothing.returncode == 8, nothing.explain()  # JOB_ABORTED: no state survives
+    assert "neither snapshots nor checkpoints are enabled" in nothing.output
+
     ck = ("checkpoint.interval=5", "checkpoint.async_save=false")
-    res = launch(
-        tmp_path, demo_data_dir, nproc=2, steps=20, inject=("kill:0:8", "kill:1:8"), overrides=ck
-    )
-    assert res.returncode == 8, res.explain()  # JOB_ABORTED: no survivor holds the state
-    assert "abort" in res.event_types()
-    again = launch(tmp_path, demo_data_dir, nproc=2, steps=20, overrides=ck)
-    assert again.returncode == 0, again.explain()
-    assert "resumed from" in again.output and "at step 5" in again.output
-    assert [m["step"] for m in again.metrics()] == list(range(20))
-    digests = again.state_digests()
+    res = launch(tmp_path, demo_data_dir, nproc=2, steps=20, inject=kill_all, overrides=ck)
+    assert res.returncode == 0, res.explain()
+    assert "recovered the state of step 5 from disk checkpoint" in res.output
+    assert {e["step"] for e in res.events() if e["type"] == "recovery"} == {5}
+    assert [m["step"] for m in res.metrics()] == list(range(20))  # rows 5-7 logged once
+    digests = res.state_digests()
     assert len({d["model"] for d in digests.values()}) == 1 and len(digests) == 2

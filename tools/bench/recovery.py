@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--models", nargs="+", default=["tiny", "small"])
+    p.add_argument("--models", nargs="*", default=["tiny", "small"], help="none: only e2e")
     p.add_argument("--steps", type=int, default=12, help="timed steps per config and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of all intervals")
     p.add_argument("--intervals", type=int, nargs="+", default=[1, 2, 5])
@@ -345,6 +345,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from megatron_mecefo.data.config import DataConfig
+    from megatron_mecefo.data.demo import ensure_demo_corpus
     from megatron_mecefo.mcore.config import ParallelConfig
     from megatron_mecefo.mcore.parallel import init_parallel
     from megatron_mecefo.snapshot import codec
@@ -353,7 +355,14 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="mecefo-bench-"))
     shm_base = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
     shm = Path(tempfile.mkdtemp(prefix="mecefo-bench-", dir=shm_base))
-    demo = work / "demo"  # the engine generates the embedded corpus there
+    demo = work / "demo"
+    data_cfg = DataConfig()
+    ensure_demo_corpus(
+        str(demo),
+        num_documents=data_cfg.demo_num_documents,
+        seed=data_cfg.demo_seed,
+        vocab_size=data_cfg.demo_vocab_size,
+    )
     ctx = init_parallel(ParallelConfig())
     out: dict = {"machine": _machine(), "threads": args.threads, "models": {}}
     try:

@@ -36,7 +36,7 @@ from megatron_mecefo.failover import inject, keys
 from megatron_mecefo.failover.heartbeat import Heartbeat
 from megatron_mecefo.failover.inject import Injector
 from megatron_mecefo.failover.membership import Membership
-from megatron_mecefo.plan import CostModel, RankStepPlan, make_step_plans, microbatch_flops
+from megatron_mecefo.plan import CostModel, RankStepPlan, flop_cost_model, make_step_plans
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.hooks import TrainHook
 from megatron_mecefo.training.stop import StopFlag
@@ -196,7 +196,7 @@ class FailoverManager(TrainHook):
             gen = keys.get_int(self.store, keys.GEN)
             if self.store.check([keys.DONE]):
                 raise JobDone()
-            if gen > 0 and self.replica in self._record(gen)["members"]:
+            if gen > 0 and self._admits_me(self._record(gen)):
                 break
             if time.monotonic() > deadline:
                 raise QuorumTimeoutError(
@@ -206,6 +206,12 @@ class FailoverManager(TrainHook):
             time.sleep(0.02)
         self._adopt(engine, gen, f"pg/{gen}")
         return self.next_step
+
+    def _admits_me(self, record: dict) -> bool:
+        """The generation lists this replica, for this incarnation of this rank."""
+        incs = record.get("incarnations", {})
+        mine = incs.get(str(self.rank), self.incarnation)
+        return self.replica in record["members"] and mine == self.incarnation
 
     def data_barrier_for(self, is_builder: bool):
         """A store-based barrier for data preparation across replicas (no DP group exists yet):
@@ -283,6 +289,8 @@ class FailoverManager(TrainHook):
                     policy=self.cfg.mecefo.takeover_policy,
                     cost=self._cost_model(),
                     target_ratio=self.cfg.mecefo.hybrid_target_ratio,
+                    choose_techniques=self.cfg.mecefo.hybrid_techniques == "auto",
+                    allowed_techniques=self.cfg.mecefo.techniques,
                 )
                 plan = plans[self.replica]
                 self._job_degraded = any(p.num_degraded for p in plans.values())
@@ -292,8 +300,11 @@ class FailoverManager(TrainHook):
         return self._plan_cache[1]
 
     def _cost_model(self) -> CostModel:
+        """FLOP fallback cost model, with a cost for every subset of the configured techniques
+        (the candidates of `hybrid_techniques: auto`)."""
         mc, mec = self.cfg.model, self.cfg.mecefo
-        flops = microbatch_flops(
+        return flop_cost_model(
+            allowed=mec.techniques,
             num_layers=mc.num_layers,
             hidden_size=mc.hidden_size,
             ffn_hidden_size=mc.ffn_hidden_size,
@@ -301,11 +312,7 @@ class FailoverManager(TrainHook):
             vocab_size=mc.vocab_size,
             micro_batch_size=self.cfg.training.micro_batch_size,
             rank_fraction=mec.rank if mec.rank < 1 else mec.rank / mc.hidden_size,
-            skip_attention_backward=mec.skip_attention_backward,
-            recompute_ffn=mec.recompute_ffn,
-            lowrank_ffn_grad=mec.lowrank_ffn_grad,
         )
-        return CostModel.from_flops(flops)
 
     def _post_takeover(self, step: int, plans: dict[int, RankStepPlan]) -> None:
         work = {r: [len(p.tasks), p.num_degraded] for r, p in plans.items() if len(p.tasks) > 0}

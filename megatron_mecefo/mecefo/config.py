@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from megatron_mecefo.plan.techniques import DegradedTechniques
+
 
 @dataclasses.dataclass(kw_only=True)
 class MecefoConfig:
@@ -14,8 +16,14 @@ class MecefoConfig:
     """Install the degraded-mode hooks (free until a plan marks micro-batches degraded)."""
     skip_attention_backward: bool = True
     """Technique 1: attention runs without a graph; gradient flows through the residual only."""
-    recompute_ffn: bool = True
-    """Technique 2: keep only the FFN input; recompute FFN intermediates in backward."""
+    recompute_ffn: bool = False
+    """Technique 2: keep only the FFN input; recompute FFN intermediates in backward. Off by
+    default, by measurement (`tools/bench/recompute_memory.py`, docs/mecefo.md): a covering rank
+    runs its micro-batches one after another, so its peak is one micro-batch's activations, and
+    without recompute that peak is still well below a normal rank's exact one (llama-350m shapes,
+    4 layers: 0.67x with it off, 0.59x on), while recompute adds an fc1 forward to every
+    degraded micro-batch. Switch it on where a degraded micro-batch must fit in less memory than
+    an exact one (e.g. larger micro-batches on covering ranks)."""
     lowrank_ffn_grad: bool = True
     """Technique 3: FFN weight grads G_W ~= G_y (x^T V) V^T with V an orthonormal rank-r basis
     of each FFN linear's input space (chosen by `lowrank_basis`)."""
@@ -38,6 +46,22 @@ class MecefoConfig:
     """Who runs a dead replica's micro-batches: ring neighbour (MeCeFO), all survivors, hybrid."""
     hybrid_target_ratio: float = 1.15
     """hybrid: the slowest rank's step time must stay under this multiple of a normal rank's."""
+    hybrid_techniques: Literal["fixed", "auto"] = "fixed"
+    """hybrid: which techniques a degraded micro-batch uses. `fixed`: every switch above that is
+    on (the behaviour before this option). `auto`: per covering rank, the planner picks among the
+    non-empty subsets of the switched-on techniques that have a measured cost (the cost model:
+    `tools/bench/degraded.py` calibration, or its FLOP fallback) the one that meets
+    `hybrid_target_ratio` with the least accuracy cost (`plan.techniques.ACCURACY_COST`, from the
+    convergence study), and the plan carries it to the degraded-mode controller."""
+
+    @property
+    def techniques(self) -> DegradedTechniques:
+        """The switched-on techniques (what `fixed` runs; `auto`'s candidates are its subsets)."""
+        return DegradedTechniques(
+            skip_attention_backward=self.skip_attention_backward,
+            recompute_ffn=self.recompute_ffn,
+            lowrank_ffn_grad=self.lowrank_ffn_grad,
+        )
 
     def __post_init__(self) -> None:
         if self.rank <= 0 or (self.rank >= 1 and not float(self.rank).is_integer()):
@@ -56,6 +80,15 @@ class MecefoConfig:
             raise ValueError(f"tau must be >= 1 step, got {self.tau}")
         if self.hybrid_target_ratio < 1.0:
             raise ValueError("hybrid_target_ratio must be >= 1.0 (a multiple of a normal step)")
+        if self.hybrid_techniques not in ("fixed", "auto"):
+            raise ValueError(
+                f"hybrid_techniques must be 'fixed' or 'auto', got {self.hybrid_techniques!r}"
+            )
+        if self.hybrid_techniques == "auto" and not self.techniques.names:
+            raise ValueError(
+                "hybrid_techniques=auto needs at least one of skip_attention_backward, "
+                "recompute_ffn, lowrank_ffn_grad switched on (its candidates are their subsets)"
+            )
 
     def resolve_rank(self, dim: int) -> int:
         """Absolute rank for an input dimension `dim` (clamped to [1, dim])."""

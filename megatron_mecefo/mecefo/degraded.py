@@ -26,6 +26,7 @@ from megatron_mecefo.mecefo.ffn import (
 )
 from megatron_mecefo.mecefo.lowrank import InputSecondMoment, SingularVectorCache
 from megatron_mecefo.mecefo.masking import is_attention_branch_param
+from megatron_mecefo.plan.techniques import DegradedTechniques
 
 _HOOKS_ATTR = "mecefo_hooks"
 
@@ -54,10 +55,11 @@ class LayerHooks:
     """Position among the model's transformer layers (seeds the randomized SVD)."""
     original_forward: Callable
     """The layer's bound `forward` before installation."""
-    skip_attention: bool
-    functional_ffn: bool
-    """Recompute or low-rank on: run the FFN through `degraded_ffn`, else megatron's own MLP."""
-    recompute: bool
+    installed: DegradedTechniques
+    """Techniques installed (config switches): FFN weights and V caches exist for these only."""
+    active: DegradedTechniques
+    """Techniques of the next degraded forward, a subset of `installed` (set by the controller
+    from the plan's `MicroBatchTask.techniques`; default `installed`)."""
     ffn_weights: FfnWeights | None
     v1_cache: SingularVectorCache | None
     v2_cache: SingularVectorCache | None
@@ -73,7 +75,13 @@ class LayerHooks:
 
     @property
     def is_noop(self) -> bool:
-        return not (self.skip_attention or self.functional_ffn)
+        """No active technique: degraded == exact."""
+        return not self.active.names
+
+    @property
+    def functional_ffn(self) -> bool:
+        """Recompute or low-rank active: run the FFN through `degraded_ffn`, else megatron's."""
+        return self.active.recompute_ffn or self.active.lowrank_ffn_grad
 
 
 def _split_hidden_states(args: tuple, kwargs: dict) -> tuple[Tensor, tuple, dict]:
@@ -87,7 +95,7 @@ def degraded_layer_forward(layer: torch.nn.Module, hooks: LayerHooks, *args, **k
     """TransformerLayer.forward in degraded mode; returns `(output, context)` like megatron."""
     kwargs.pop("dynamic_inference_decode_only", None)
     hidden_states, rest, kwargs = _split_hidden_states(args, kwargs)
-    if hooks.skip_attention:
+    if hooks.active.skip_attention_backward:
         # Attention branch (input norm, attention, bias-dropout-add) runs without a graph: no
         # attention activations kept, no attention/input-norm gradients; grad flows via residual.
         with torch.no_grad():
@@ -101,11 +109,12 @@ def degraded_layer_forward(layer: torch.nn.Module, hooks: LayerHooks, *args, **k
         )
         return output, context
     fc1, fc2 = hooks.ffn_weights.fc1, hooks.ffn_weights.fc2
+    lowrank = hooks.active.lowrank_ffn_grad
     call = FfnCall(
         weights=hooks.ffn_weights,
-        v1=hooks.v1_cache.get(fc1, hooks.bucket) if hooks.v1_cache else None,
-        v2=hooks.v2_cache.get(fc2, hooks.bucket) if hooks.v2_cache else None,
-        recompute=hooks.recompute,
+        v1=hooks.v1_cache.get(fc1, hooks.bucket) if lowrank and hooks.v1_cache else None,
+        v2=hooks.v2_cache.get(fc2, hooks.bucket) if lowrank and hooks.v2_cache else None,
+        recompute=hooks.active.recompute_ffn,
     )
     mlp_out = degraded_ffn(hidden, call)  # [s, b, d], the MLP branch only
     with layer.bias_dropout_add_exec_handler():  # residual + dropout(mlp_out), as megatron does
@@ -118,8 +127,8 @@ def degraded_layer_forward(layer: torch.nn.Module, hooks: LayerHooks, *args, **k
 def _install_input_statistics(layer: torch.nn.Module, hooks: LayerHooks) -> None:
     """activation basis: forward pre-hooks on the FFN linears that fold the input of the first
     exact, gradient-building micro-batch of each step into its cache's second moment. Degraded
-    micro-batches never run the modules (their FFN is `degraded_ffn`), evaluation runs without
-    grad: neither feeds the statistics."""
+    micro-batches (which run the modules only when neither recompute nor low-rank is active) and
+    evaluation (no grad) do not feed the statistics."""
     weights = hooks.ffn_weights
     fc1_mod, fc2_mod = layer.mlp.linear_fc1, layer.mlp.linear_fc2
     # TE fuses the pre-MLP RMSNorm into linear_fc1: its input is un-normalised, apply the norm
@@ -128,7 +137,7 @@ def _install_input_statistics(layer: torch.nn.Module, hooks: LayerHooks) -> None
 
     def make(index: int, cache: SingularVectorCache, transform):
         def pre_hook(module, args, kwargs):
-            if hooks.collect[index] and torch.is_grad_enabled():
+            if hooks.collect[index] and not hooks.degraded and torch.is_grad_enabled():
                 hooks.collect[index] = False
                 x = args[0] if args else kwargs["input_"]
                 cache.stats.update(x, transform)
@@ -189,20 +198,35 @@ class DegradedModeController:
     def layer_names(self) -> list[str]:
         return [name for name, _ in self._layers]
 
-    def set_degraded(self, flag: bool) -> None:
+    def set_degraded(self, flag: bool, techniques: DegradedTechniques | None = None) -> None:
         """Exact (False) or degraded (True) for the micro-batches forwarded from now on.
 
+        Args:
+            flag: Degraded mode on.
+            techniques: Degraded only: the techniques to use (a plan's `MicroBatchTask.
+                techniques`), a subset of the configured switches; None = all configured ones.
+
         Raises:
-            ConfigError: `flag` is True but MeCeFO is disabled (`mecefo.enabled=false`).
+            ConfigError: `flag` is True but MeCeFO is disabled (`mecefo.enabled=false`), or
+                `techniques` asks for one the config switched off (not installed).
         """
         if flag and not self._cfg.enabled:
             raise ConfigError(
                 "a step plan asked for degraded (MeCeFO) micro-batches, but mecefo.enabled=false; "
                 "set mecefo.enabled=true or use a takeover policy without degraded mode (spread)"
             )
+        installed = self._cfg.techniques
+        active = installed if techniques is None or not flag else techniques
+        if not active.issubset(installed):
+            raise ConfigError(
+                f"a step plan asked for degraded techniques {active.key!r}, but the mecefo config "
+                f"installs only {installed.key!r}; switch them on in `mecefo`"
+            )
         self._degraded = bool(flag)
         for _, layer in self._layers:
-            getattr(layer, _HOOKS_ATTR).degraded = self._degraded
+            hooks = getattr(layer, _HOOKS_ATTR)
+            hooks.degraded = self._degraded
+            hooks.active = active
 
     def on_step_start(self, step: int) -> None:
         """Record the step; V of every layer is refreshed lazily when step // tau changes."""
@@ -302,9 +326,8 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
         hooks = LayerHooks(
             layer_index=index,
             original_forward=layer.forward,
-            skip_attention=cfg.skip_attention_backward,
-            functional_ffn=functional_ffn,
-            recompute=cfg.recompute_ffn,
+            installed=cfg.techniques,
+            active=cfg.techniques,
             ffn_weights=weights,
             v1_cache=v1_cache,
             v2_cache=v2_cache,

@@ -7,23 +7,28 @@ that was running, each storage counted once per layer. Measurement only: no effe
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 
 @contextlib.contextmanager
-def saved_bytes_per_layer(layers: list[torch.nn.Module]) -> Iterator[dict]:
+def saved_bytes_per_layer(
+    layers: list[torch.nn.Module], exclude: Iterable[torch.Tensor] = ()
+) -> Iterator[dict]:
     """Within the block, record saved-for-backward bytes per layer index (key -1: outside layers).
 
     Args:
         layers: The transformer layers to attribute to (e.g. `model.decoder.layers`).
+        exclude: Tensors whose storages are not counted (e.g. `model.parameters()`: weights that
+            autograd saves are not activation memory).
 
     Yields:
         A dict {layer index: bytes} filled while the block runs.
     """
     result: dict[int, int] = {}
     seen: set[tuple[int, int]] = set()
+    excluded = {t.untyped_storage().data_ptr() for t in exclude}
     current = [-1]
     handles = []
     for i, layer in enumerate(layers):
@@ -33,7 +38,7 @@ def saved_bytes_per_layer(layers: list[torch.nn.Module]) -> Iterator[dict]:
     def pack(t: torch.Tensor):
         storage = t.untyped_storage()
         key = (current[0], storage.data_ptr())
-        if key not in seen:
+        if key not in seen and key[1] not in excluded:
             seen.add(key)
             result[current[0]] = result.get(current[0], 0) + storage.nbytes()
         return t

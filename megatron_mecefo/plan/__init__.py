@@ -4,7 +4,7 @@ This package sits below `training/` (which runs plans), `mecefo/` (which compute
 micro-batches) and `failover/` (which asks the planner for plans on membership changes).
 """
 
-from megatron_mecefo.plan.cost import CostModel, FlopBreakdown, microbatch_flops
+from megatron_mecefo.plan.cost import CostModel, FlopBreakdown, flop_cost_model, microbatch_flops
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 from megatron_mecefo.plan.takeover import (
     POLICIES,
@@ -12,14 +12,25 @@ from megatron_mecefo.plan.takeover import (
     neighbor_of,
     plan_step_times,
 )
+from megatron_mecefo.plan.techniques import (
+    ACCURACY_COST,
+    ALL_TECHNIQUES,
+    DegradedTechniques,
+    candidate_techniques,
+)
 
 __all__ = [
+    "ACCURACY_COST",
+    "ALL_TECHNIQUES",
     "POLICIES",
     "CostModel",
+    "DegradedTechniques",
     "FlopBreakdown",
+    "candidate_techniques",
     "MicroBatchTask",
     "RankStepPlan",
     "failure_free_plan",
+    "flop_cost_model",
     "make_step_plans",
     "microbatch_flops",
     "neighbor_of",

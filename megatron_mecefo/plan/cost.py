@@ -10,6 +10,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from megatron_mecefo.plan.techniques import (
+    ALL_TECHNIQUES,
+    DegradedTechniques,
+    candidate_techniques,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class FlopBreakdown:
@@ -104,10 +110,20 @@ class CostModel:
     """Fixed per-step time (optimizer step, gradient all-reduce), paid once whatever the load. As
     the intercept of an affine fit over the takeover range (M..2M micro-batches) it may be
     negative: where step time grows faster than linearly, the chord's intercept is below zero."""
+    technique_microbatch_s: tuple[tuple[str, float], ...] = ()
+    """Measured time of one degraded micro-batch per technique set, as (`DegradedTechniques.key`,
+    seconds) pairs: the candidates `hybrid` may choose among with `hybrid_techniques: auto` (a set
+    without an entry is never chosen). `degraded_microbatch_s` is the configured set's time."""
 
     def __post_init__(self) -> None:
         if self.exact_microbatch_s <= 0 or self.degraded_microbatch_s <= 0:
             raise ValueError("micro-batch times must be > 0")
+        pairs = tuple((str(k), float(v)) for k, v in self.technique_microbatch_s)
+        object.__setattr__(self, "technique_microbatch_s", pairs)  # JSON lists -> tuples
+        for key, seconds in pairs:
+            DegradedTechniques.from_key(key)  # raises on an unknown label
+            if seconds <= 0:
+                raise ValueError(f"technique set {key!r}: micro-batch time must be > 0")
         if not math.isfinite(self.step_overhead_s) or self.step_time(1, 0) <= 0:
             raise ValueError(
                 "step_overhead_s must be finite and leave a positive one-micro-batch step time"
@@ -121,6 +137,18 @@ class CostModel:
             + num_degraded * self.degraded_microbatch_s
         )
 
+    def degraded_time(self, techniques: DegradedTechniques | None = None) -> float | None:
+        """Time of one degraded micro-batch with these techniques (None: the configured set);
+        None if that set was not measured."""
+        if techniques is None:
+            return self.degraded_microbatch_s
+        return dict(self.technique_microbatch_s).get(techniques.key)
+
+    @property
+    def measured_techniques(self) -> list[DegradedTechniques]:
+        """Technique sets with a cost entry (the candidates of `hybrid_techniques: auto`)."""
+        return [DegradedTechniques.from_key(k) for k, _ in self.technique_microbatch_s]
+
     @classmethod
     def from_measured(
         cls,
@@ -128,12 +156,18 @@ class CostModel:
         exact_microbatch_s: float,
         degraded_microbatch_s: float,
         step_overhead_s: float = 0.0,
+        technique_microbatch_s: dict[str, float] | tuple | list = (),
     ) -> CostModel:
-        """A cost model from measured times (seconds)."""
+        """A cost model from measured times (seconds); `technique_microbatch_s` maps
+        `DegradedTechniques.key` to a degraded micro-batch's time with that set."""
+        pairs = technique_microbatch_s
+        if isinstance(pairs, dict):
+            pairs = tuple(pairs.items())
         return cls(
             exact_microbatch_s=exact_microbatch_s,
             degraded_microbatch_s=degraded_microbatch_s,
             step_overhead_s=step_overhead_s,
+            technique_microbatch_s=tuple(tuple(p) for p in pairs),
         )
 
     @classmethod
@@ -149,3 +183,32 @@ class CostModel:
             degraded_microbatch_s=flops.ratio,
             step_overhead_s=step_overhead_fraction,
         )
+
+
+def flop_cost_model(
+    *,
+    allowed: DegradedTechniques = ALL_TECHNIQUES,
+    step_overhead_fraction: float = 0.0,
+    **shape,
+) -> CostModel:
+    """The FLOP fallback cost model, with a cost for every candidate technique set.
+
+    Args:
+        allowed: The configured techniques: `degraded_microbatch_s` is theirs, and every
+            non-empty subset gets a `technique_microbatch_s` entry.
+        step_overhead_fraction: Per-step overhead as a multiple of one exact micro-batch.
+        **shape: `microbatch_flops` shape arguments (num_layers, hidden_size, ..., rank_fraction).
+    """
+
+    def ratio(t: DegradedTechniques) -> float:
+        return microbatch_flops(**shape, **{n: getattr(t, n) for n in _FLAGS}).ratio
+
+    return CostModel(
+        exact_microbatch_s=1.0,
+        degraded_microbatch_s=ratio(allowed),
+        step_overhead_s=step_overhead_fraction,
+        technique_microbatch_s=tuple((t.key, ratio(t)) for t in candidate_techniques(allowed)),
+    )
+
+
+_FLAGS = ("skip_attention_backward", "recompute_ffn", "lowrank_ffn_grad")

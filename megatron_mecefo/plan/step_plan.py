@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_mecefo.plan.techniques import DegradedTechniques
+
 
 @dataclasses.dataclass(frozen=True)
 class MicroBatchTask:
@@ -27,6 +29,21 @@ class MicroBatchTask:
     """Micro-batch index within that replica's share of the global batch."""
     degraded: bool = False
     """Run in MeCeFO degraded mode (attention-backward skip, FFN recompute, low-rank FFN grads)."""
+    techniques: DegradedTechniques | None = None
+    """Degraded only: the techniques this micro-batch uses (chosen by `hybrid` with
+    `mecefo.hybrid_techniques: auto`); None = every technique the `mecefo` config switches on."""
+
+    def __post_init__(self) -> None:
+        if self.techniques is not None and not self.degraded:
+            raise ValueError("an exact micro-batch (degraded=False) cannot carry techniques")
+
+    @property
+    def skips_attention(self) -> bool:
+        """Produces no attention / input-norm gradients (for masked averaging). A degraded task
+        with `techniques=None` counts as skipping, as the configured default does."""
+        if not self.degraded:
+            return False
+        return self.techniques is None or self.techniques.skip_attention_backward
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from megatron_mecefo.plan.cost import CostModel
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
+from megatron_mecefo.plan.techniques import ALL_TECHNIQUES, DegradedTechniques
 
 POLICIES = ("neighbor", "spread", "hybrid")
 
@@ -69,6 +70,8 @@ def make_step_plans(
     policy: str,
     cost: CostModel,
     target_ratio: float = 1.15,
+    choose_techniques: bool = False,
+    allowed_techniques: DegradedTechniques = ALL_TECHNIQUES,
 ) -> dict[int, RankStepPlan]:
     """Plans for every alive replica for one step.
 
@@ -81,6 +84,10 @@ def make_step_plans(
       * `hybrid`: `spread`, then on each rank whose predicted step time exceeds
         `target_ratio` x a normal rank's, micro-batches are switched to degraded (taken-over ones
         first, then own) until it fits; if it cannot fit, all of that rank's are degraded.
+        With `choose_techniques`, each such rank also picks the technique set of its degraded
+        micro-batches (`_choose_techniques`): among the measured subsets of
+        `allowed_techniques` that meet the target, the least total accuracy cost
+        (k x `DegradedTechniques.accuracy_cost`); the tasks carry it as `techniques`.
 
     Args:
         alive: Logical indices of the healthy replicas (any order, no duplicates).
@@ -89,12 +96,17 @@ def make_step_plans(
         policy: One of `POLICIES`.
         cost: Micro-batch costs (only `hybrid` uses them).
         target_ratio: `hybrid`'s bound on the slowest rank, as a multiple of a normal rank's time.
+        choose_techniques: `hybrid` only: also choose the techniques (`hybrid_techniques: auto`).
+            Off: degraded tasks carry `techniques=None` (the configured set), as before.
+        allowed_techniques: The techniques the config switches on (candidates are its non-empty
+            subsets that `cost` has a time for).
 
     Returns:
         {logical replica index: RankStepPlan} for every alive replica. Tasks list the rank's own
         micro-batches first, then taken-over ones by (source replica, micro index).
-        `masked_scale` is M/E (E = exact micro-batches in the group; 0.0 when E = 0, so attention
-        and input-norm weights get a zero gradient) if any task is degraded, else None.
+        `masked_scale` is M/E (E = micro-batches in the group that compute attention gradients:
+        exact ones and degraded ones without the skip; 0.0 when E = 0, so attention and
+        input-norm weights get a zero gradient) if any task skips attention, else None.
 
     Raises:
         ValueError: no survivor, replicas out of range, bad M, policy or target_ratio.
@@ -113,11 +125,13 @@ def make_step_plans(
         _assign_neighbor(tasks, dead, survivors, n, m)
     else:
         _assign_spread(tasks, dead, survivors, n, m)
-        if policy == "hybrid":
+        if policy == "hybrid" and choose_techniques:
+            _choose_techniques(tasks, m, cost, target_ratio, allowed_techniques)
+        elif policy == "hybrid":
             _degrade_to_target(tasks, m, cost, target_ratio)
-    num_exact = sum(not t.degraded for ts in tasks.values() for t in ts)
-    any_degraded = num_exact < n * m
-    masked_scale = (m / num_exact if num_exact else 0.0) if any_degraded else None
+    num_attention = sum(not t.skips_attention for ts in tasks.values() for t in ts)
+    any_skipped = num_attention < n * m
+    masked_scale = (m / num_attention if num_attention else 0.0) if any_skipped else None
     return {
         r: RankStepPlan(
             tasks=tuple(tasks[r]),
@@ -178,12 +192,71 @@ def _degrade_to_target(
         ]
 
 
+def _num_to_degrade(num: int, exact_s: float, degraded_s: float, cost: CostModel, target_s: float):
+    """Smallest k <= num with step time (num - k exact, k degraded) <= target_s, or None."""
+    now = cost.step_overhead_s + num * exact_s
+    if now <= target_s * (1 + 1e-12):
+        return 0
+    if degraded_s >= exact_s:
+        return None
+    k = math.ceil((now - target_s) / (exact_s - degraded_s) - 1e-9)
+    return max(0, k) if k <= num else None
+
+
+def _choose_techniques(
+    tasks: dict[int, list[MicroBatchTask]],
+    m: int,
+    cost: CostModel,
+    target_ratio: float,
+    allowed: DegradedTechniques,
+) -> None:
+    """hybrid with `hybrid_techniques: auto`: per rank over the target, the technique set (and
+    the fewest micro-batches k to degrade with it) of least accuracy cost k x cost(set) among the
+    sets that meet the target; ties: lower predicted step time, then fewer techniques. If none
+    meets it, every micro-batch of the rank is degraded with the fastest set (ties: least
+    accuracy cost)."""
+    target_s = target_ratio * cost.step_time(m, 0)
+    exact_s = cost.exact_microbatch_s
+    candidates = [
+        (t, cost.degraded_time(t)) for t in cost.measured_techniques if t.issubset(allowed)
+    ]
+    for r, ts in tasks.items():
+        num = len(ts)
+        if cost.step_time(num, 0) <= target_s * (1 + 1e-12) or not candidates:
+            continue
+        options = []  # (meets target?, accuracy cost, step time, #techniques, key), techniques, k
+        for t, t_s in candidates:
+            k = _num_to_degrade(num, exact_s, t_s, cost, target_s)
+            fits = k is not None
+            k = num if k is None else k
+            step_s = cost.step_overhead_s + (num - k) * exact_s + k * t_s
+            accuracy = k * t.accuracy_cost
+            rank_key = (0, accuracy, step_s) if fits else (1, step_s, accuracy)
+            options.append((rank_key + (len(t.names), t.key), t, k))
+        _, chosen, k = min(options, key=lambda o: o[0])
+        # degrade from the end: taken-over micro-batches first, then the rank's own
+        tasks[r] = [
+            MicroBatchTask(t.source_dp_rank, t.micro_index, True, chosen)
+            if j >= num - k
+            else MicroBatchTask(t.source_dp_rank, t.micro_index)
+            for j, t in enumerate(ts)
+        ]
+
+
 def _task_key(t: MicroBatchTask) -> tuple[int, int]:
     return (t.source_dp_rank, t.micro_index)
 
 
 def plan_step_times(plans: dict[int, RankStepPlan], cost: CostModel) -> dict[int, float]:
-    """Predicted step time of each rank under `cost`."""
-    return {
-        r: cost.step_time(len(p.tasks) - p.num_degraded, p.num_degraded) for r, p in plans.items()
-    }
+    """Predicted step time of each rank under `cost` (each degraded task at its technique set's
+    time; a set without a measured time raises KeyError)."""
+
+    def task_s(t: MicroBatchTask) -> float:
+        if not t.degraded:
+            return cost.exact_microbatch_s
+        seconds = cost.degraded_time(t.techniques)
+        if seconds is None:
+            raise KeyError(f"cost model has no time for technique set {t.techniques.key!r}")
+        return seconds
+
+    return {r: cost.step_overhead_s + sum(map(task_s, p.tasks)) for r, p in plans.items()}

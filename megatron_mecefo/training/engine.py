@@ -194,7 +194,7 @@ class Engine:
         """megatron forward_step_func: one micro-batch in the mode its task asks for."""
         task: MicroBatchTask = next(data_iterator)
         batch = sampler.get(step, task.source_dp_rank, task.micro_index)
-        self.controller.set_degraded(task.degraded)
+        self.controller.set_degraded(task.degraded, task.techniques)
         device = self.ctx.device
         tokens = batch["tokens"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)

@@ -58,6 +58,14 @@ def parse_args() -> argparse.Namespace:
         help="degraded.json of an earlier run whose cost model the planner uses (default: "
         "calibrate here on held-out task lists)",
     )
+    p.add_argument(
+        "--techniques",
+        nargs="*",
+        default=["skip", "lowrank"],
+        help="technique sets (DegradedTechniques keys) to calibrate besides the configured one: "
+        "the candidates of the hybrid_auto rows (mecefo.hybrid_techniques=auto); sets that are "
+        "not subsets of the configured switches are skipped",
+    )
     p.add_argument("--out", default="bench_out/degraded.json")
     return p.parse_args()
 
@@ -140,14 +148,17 @@ class EngineRank:
         self.m = args.microbatches
         self.model_cfg = self.engine.cfg.model
 
-    def step(self, degraded_flags: list[bool], step: int = 0) -> float:
-        """One optimizer step running these micro-batch modes; returns seconds."""
+    def step(self, degraded_flags: list, step: int = 0) -> float:
+        """One optimizer step running these micro-batch modes (False: exact, True: degraded with
+        the configured techniques, a DegradedTechniques: degraded with it); returns seconds."""
         from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
 
-        # micro-batches beyond M are another replica's, as in a takeover
-        tasks = tuple(
-            MicroBatchTask(i // self.m, i % self.m, flag) for i, flag in enumerate(degraded_flags)
-        )
+        def task(i: int, flag) -> MicroBatchTask:
+            # micro-batches beyond M are another replica's, as in a takeover
+            techniques = None if isinstance(flag, bool) else flag
+            return MicroBatchTask(i // self.m, i % self.m, bool(flag), techniques)
+
+        tasks = tuple(task(i, flag) for i, flag in enumerate(degraded_flags))
         replicas = -(-len(tasks) // self.m)
         plan = RankStepPlan(tasks=tasks, num_replicas=replicas, microbatches_per_replica=self.m)
         sync()
@@ -156,7 +167,7 @@ class EngineRank:
         sync()
         return time.perf_counter() - start
 
-    def peak_activation_bytes(self, degraded: bool) -> int:
+    def peak_activation_bytes(self, degraded) -> int:
         """CPU: bytes autograd saves for one micro-batch; GPU: peak allocation above weights."""
         import torch
 
@@ -165,7 +176,8 @@ class EngineRank:
         batch = self.engine.train_sampler.get(0, 0, 0)
         dev = self.engine.ctx.device
         args = (batch["tokens"].to(dev), batch["position_ids"].to(dev))
-        self.controller.set_degraded(degraded)
+        techniques = None if isinstance(degraded, bool) else degraded
+        self.controller.set_degraded(bool(degraded), techniques)
         try:
             if torch.cuda.is_available():
                 sync()
@@ -229,29 +241,33 @@ def bench_model(name: str, args, ctx) -> dict:
     }
     for n in args.replicas:
         alive = list(range(1, n))  # replica 0 dead
-        for policy in ("spread", "hybrid"):
+        for policy in ("spread", "hybrid", "hybrid_auto"):
             plans = make_step_plans(
                 alive=alive,
                 num_replicas=n,
                 num_microbatches=m,
-                policy=policy,
+                policy=policy.removesuffix("_auto"),
                 cost=cost,
                 target_ratio=args.target_ratio,
+                choose_techniques=policy == "hybrid_auto",
+                allowed_techniques=rank.engine.cfg.mecefo.techniques,
             )
             times = plan_step_times(plans, cost)
             slowest = max(times, key=times.get)
-            flags = [t.degraded for t in plans[slowest].tasks]
+            flags = [t.techniques or t.degraded for t in plans[slowest].tasks]
             scenarios[f"{policy} n={n}"] = (flags, n, times[slowest])
     step_s = timed_round_robin(rank, {k: v[0] for k, v in scenarios.items()}, reps)
     rows = []
     for label, (flags, n, predicted) in scenarios.items():
         mem = max(rank.peak_activation_bytes(f) for f in set(flags))
+        used = sorted({f.key for f in flags if not isinstance(f, bool)})
         rows.append(
             {
                 "scenario": label.split()[0],
                 "n": n,
                 "microbatches": len(flags),
-                "degraded": sum(flags),
+                "degraded": sum(map(bool, flags)),
+                "techniques": used or None,
                 "step_s": step_s[label],
                 "predicted_s": predicted,
                 "peak_activation_bytes": mem,
@@ -277,7 +293,7 @@ def bench_model(name: str, args, ctx) -> dict:
         "device": str(ctx.device),
         "mbs": args.mbs,
         "microbatches": m,
-        "cost_model": vars(cost),
+        "cost_model": {**vars(cost), "technique_microbatch_s": dict(cost.technique_microbatch_s)},
         "calibration": calibration,
         "rows": rows,
         "prediction_error_abs_mean": sum(abs(r["prediction_error"]) for r in rows) / len(rows),
@@ -293,9 +309,11 @@ def load_or_calibrate(name: str, args, ctx):
     it is calibrated here on a separate engine, on held-out task lists that are not among the
     table's scenarios: M/2 and 3M/2 exact micro-batches (exact marginal cost: the chord), and M/2
     exact + M degraded (degraded marginal cost). Every table row is then a prediction out of
-    sample. Returns (CostModel, JSON-able record incl. whether the fallback model was used).
+    sample. Each technique set of `--techniques` (and the configured one) gets its own degraded
+    marginal cost from M/2 exact + M degraded with that set: the candidates of `hybrid_auto`.
+    Returns (CostModel, JSON-able record incl. whether the fallback model was used).
     """
-    from megatron_mecefo.plan import CostModel
+    from megatron_mecefo.plan import CostModel, DegradedTechniques
 
     if args.calibration:
         data = json.loads(Path(args.calibration).read_text())
@@ -307,15 +325,18 @@ def load_or_calibrate(name: str, args, ctx):
     m = args.microbatches
     lo, hi = max(1, m // 2), m + max(1, m // 2)
     calib_rank = EngineRank(name, args, ctx)
-    calib = timed_round_robin(
-        calib_rank,
-        {
-            "lo": [False] * lo,
-            "hi": [False] * hi,
-            "lo_degraded": [False] * lo + [True] * m,
-        },
-        args.reps,
-    )
+    configured = calib_rank.engine.cfg.mecefo.techniques
+    sets = [DegradedTechniques.from_key(k) for k in args.techniques]
+    skipped = [t.key for t in sets if not t.issubset(configured)]
+    if skipped:
+        print(f"  not calibrated (switched off in mecefo config {configured.key}): {skipped}")
+    sets = [configured] + [
+        t for t in dict.fromkeys(sets) if t != configured and t.issubset(configured)
+    ]
+    lists = {"lo": [False] * lo, "hi": [False] * hi}
+    lists |= {f"lo_degraded {t.key}": [False] * lo + [t] * m for t in sets}
+    calib = timed_round_robin(calib_rank, lists, args.reps)
+    calib["lo_degraded"] = calib[f"lo_degraded {configured.key}"]
     del calib_rank
     exact_mb = max(1e-9, (calib["hi"] - calib["lo"]) / (hi - lo))
     degraded_mb = max(1e-9, (calib["lo_degraded"] - calib["lo"]) / m)
@@ -328,12 +349,18 @@ def load_or_calibrate(name: str, args, ctx):
         )
         exact_mb, intercept = calib["lo"] / lo, 0.0
         degraded_mb = min(degraded_mb, exact_mb)
+    per_set = {t.key: max(1e-9, (calib[f"lo_degraded {t.key}"] - calib["lo"]) / m) for t in sets}
+    if fallback:
+        per_set = {k: min(v, exact_mb) for k, v in per_set.items()}
     cost = CostModel.from_measured(
-        exact_microbatch_s=exact_mb, degraded_microbatch_s=degraded_mb, step_overhead_s=intercept
+        exact_microbatch_s=exact_mb,
+        degraded_microbatch_s=degraded_mb,
+        step_overhead_s=intercept,
+        technique_microbatch_s=per_set,
     )
     record = {
         "source": "held-out task lists on a separate engine",
-        "task_lists": {"lo": lo, "hi": hi, "lo_degraded": [lo, m]},
+        "task_lists": {"lo": lo, "hi": hi, "lo_degraded <techniques>": [lo, m]},
         "step_s": calib,
         "fallback": fallback,
     }
@@ -443,7 +470,7 @@ def print_table(result: dict) -> None:
     )
     print(
         f"{'scenario':<18}{'n':>4}{'mb':>5}{'degr':>6}{'step ms':>10}{'ratio':>8}"
-        f"{'pred (err)':>14}{'act MiB':>10}{'act ratio':>10}"
+        f"{'pred (err)':>14}{'act MiB':>10}{'act ratio':>10}  techniques"
     )
     for r in result["rows"]:
         pred = f"{r['predicted_ratio']:.2f} ({r['prediction_error']:+.0%})"
@@ -451,6 +478,7 @@ def print_table(result: dict) -> None:
             f"{r['scenario']:<18}{r['n'] or '-':>4}{r['microbatches']:>5}{r['degraded']:>6}"
             f"{r['step_s'] * 1e3:>10.1f}{r['ratio']:>8.2f}{pred:>14}"
             f"{r['peak_activation_bytes'] / 2**20:>10.2f}{r['memory_ratio']:>10.2f}"
+            f"  {','.join(r['techniques'] or []) or '-'}"
         )
     print(
         f"planner's prediction (cost model: {result['calibration']['source']}, fallback "

@@ -88,10 +88,11 @@ def test_mode_is_captured_at_forward_time(build_tiny, tiny_batch):
         assert (p.grad is None) == ctl.is_masked_param(name), name
 
 
-def test_saved_activation_bytes_drop(build_tiny, tiny_batch):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_saved_activation_bytes_drop(build_tiny, tiny_batch, recompute):
     model, cfg = build_tiny()
     batch = tiny_batch(cfg)
-    ctl = install_degraded_mode(model, MecefoConfig())
+    ctl = install_degraded_mode(model, MecefoConfig(recompute_ffn=recompute))
     layers = list(model.decoder.layers)
     exact = measure_saved_bytes(layers, lambda: _loss(model, batch))
     ctl.set_degraded(True)
@@ -99,9 +100,11 @@ def test_saved_activation_bytes_drop(build_tiny, tiny_batch):
     tokens = batch[0].numel()
     r1, r2 = MecefoConfig().resolve_rank(cfg.hidden_size), MecefoConfig().resolve_rank(172)
     for i in range(cfg.num_layers):
-        # degraded keeps only the FFN input [t, d] and the projections x V [t, r1], [t, r2] (fp32)
-        assert degraded[i] == 4 * tokens * (cfg.hidden_size + r1 + r2)
-        assert degraded[i] * 10 < exact[i]
+        # degraded keeps only the FFN input [t, d] and the projections x V [t, r1], [t, r2] (fp32);
+        # without recompute also the fc1 output [t, 2f] (the activation's input)
+        fc1_out = 0 if recompute else 2 * cfg.ffn_hidden_size
+        assert degraded[i] == 4 * tokens * (cfg.hidden_size + r1 + r2 + fc1_out)
+        assert degraded[i] * (10 if recompute else 2) < exact[i]
     print(
         f"saved bytes per layer: exact {exact[0]}, degraded {degraded[0]} "
         f"({exact[0] / degraded[0]:.1f}x less)"

@@ -6,41 +6,16 @@ failover, losing every replica at once is no longer the end of the run."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.cli import run_train as _train
 from tests.helpers.launch import launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 ROOT = Path(__file__).resolve().parents[2]
 DROPOUT = "model.hidden_dropout=0.1"  # so the losses depend on the restored RNG states too
-
-
-def _train(run_dir, demo_dir, steps, *extra, nproc=1):
-    args = [
-        "--config",
-        "configs/run/demo_cpu.yaml",
-        "--run-dir",
-        str(run_dir),
-        "--max-steps",
-        str(steps),
-        f"data.demo_dir={demo_dir}",
-        "training.eval_interval=0",
-        "logging.print_interval=0",
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable)
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "megatron_mecefo.train", *args]
-    else:
-        env.update(NPROC=str(nproc), MECEFO_LAUNCHER="torchrun")
-        cmd = ["bash", "launch/local/run.sh", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    return proc
 
 
 def _losses(run_dir):

@@ -11,12 +11,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -25,6 +23,8 @@ import pytest
 
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.snapshot.slots import HEADER, SlotPair
+from tests.helpers.cli import metric_rows
+from tests.helpers.cli import run_train as _train
 from tests.helpers.launch import launch, launch_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -130,28 +130,8 @@ def test_restart_mode_restarts_every_rank_from_the_snapshot(tmp_path, demo_data_
 
 
 # ---------------------------------------------------------------- one process, plain CLI
-def _train(run_dir, demo_dir, steps, *extra):
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_mecefo.train",
-        "--config",
-        "configs/run/demo_cpu.yaml",
-        "--run-dir",
-        str(run_dir),
-        "--max-steps",
-        str(steps),
-        f"data.demo_dir={demo_dir}",
-        "training.eval_interval=0",
-        "logging.print_interval=0",
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-
 def _losses(run_dir) -> list[float]:
-    return [json.loads(x)["loss"] for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in metric_rows(run_dir)]
 
 
 def test_corrupt_snapshot_falls_back_to_disk_and_a_wrong_shape_is_refused(

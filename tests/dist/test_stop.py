@@ -38,7 +38,8 @@ def _signal_after(pid: int, run_dir: Path, steps: int, timeout_s: float = 200) -
 
 
 def _checkpoint_steps(run_dir: Path) -> list[int]:
-    return sorted(int(p.name.removeprefix("step_")) for p in layout.candidates(run_dir / "checkpoints"))
+    folders = layout.candidates(run_dir / "checkpoints")
+    return sorted(int(p.name.removeprefix("step_")) for p in folders)
 
 
 def test_sigusr1_stops_with_a_final_checkpoint_and_resumes(tmp_path, demo_data_dir):

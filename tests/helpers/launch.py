@@ -63,6 +63,29 @@ class LaunchResult:
         return f"exit {self.returncode} after {self.wall_s:.0f} s\n{self.output[-6000:]}"
 
 
+def trainer_args(
+    run_dir: Path, demo_data_dir: str, steps: int, inject=(), overrides=()
+) -> list[str]:
+    """mecefo-train arguments of the tiny demo job the failover tests run."""
+    args = [
+        "--config",
+        str(CONFIG),
+        "--max-steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        f"data.demo_dir={demo_data_dir}",
+        "failover.audit=true",
+        "logging.print_interval=1",
+        "training.eval_interval=0",
+        "training.micro_batch_size=4",
+        *overrides,
+    ]
+    for spec in inject:
+        args += ["--inject", spec]
+    return args
+
+
 def launch(
     tmp_path: Path,
     demo_data_dir: str,
@@ -88,21 +111,8 @@ def launch(
         "0.5",
         *launch_args,
         "--",
-        "--config",
-        str(CONFIG),
-        "--max-steps",
-        str(steps),
-        "--run-dir",
-        str(run_dir),
-        f"data.demo_dir={demo_data_dir}",
-        "failover.audit=true",
-        "logging.print_interval=1",
-        "training.eval_interval=0",
-        "training.micro_batch_size=4",
-        *overrides,
+        *trainer_args(run_dir, demo_data_dir, steps, inject, overrides),
     ]
-    for spec in inject:
-        cmd += ["--inject", spec]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     log_path = tmp_path / f"{name}.log"
     start = time.monotonic()
@@ -159,22 +169,7 @@ def launch_nodes(
     a free port); returns node 0's result with every node's output."""
     run_dir = tmp_path / name
     port = free_port()
-    trainer = [
-        "--config",
-        str(CONFIG),
-        "--max-steps",
-        str(steps),
-        "--run-dir",
-        str(run_dir),
-        f"data.demo_dir={demo_data_dir}",
-        "failover.audit=true",
-        "logging.print_interval=1",
-        "training.eval_interval=0",
-        "training.micro_batch_size=4",
-        *overrides,
-    ]
-    for spec in inject:
-        trainer += ["--inject", spec]
+    trainer = trainer_args(run_dir, demo_data_dir, steps, inject, overrides)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs, logs = [], []
     start = time.monotonic()

@@ -22,6 +22,7 @@ from megatron_mecefo.sim.scenario import injections_to_trace, load_scenario
 from megatron_mecefo.sim.simulator import JobConfig, simulate_all, trace_for_job
 from megatron_mecefo.sim.strategies import (
     MEASURED_NEIGHBOR_STEP_RATIO,
+    MEASURED_SNAPSHOT_RESTART_S,
     STRATEGY_NAMES,
     StrategyConfig,
 )
@@ -87,7 +88,13 @@ def _job_args(p: argparse.ArgumentParser) -> None:
         default=MEASURED_NEIGHBOR_STEP_RATIO,
         help=f"MeCeFO neighbour step ratio (measured {MEASURED_NEIGHBOR_STEP_RATIO})",
     )
-    s.add_argument("--snapshot-restart-s", type=float, default=300.0, help="snapshot (300)")
+    s.add_argument(
+        "--snapshot-restart-s",
+        type=float,
+        default=MEASURED_SNAPSHOT_RESTART_S,
+        help=f"snapshot restart cost (measured {MEASURED_SNAPSHOT_RESTART_S} s; add a cluster's "
+        "relaunch time)",
+    )
 
 
 def _job(args) -> JobConfig:

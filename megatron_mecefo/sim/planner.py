@@ -18,6 +18,7 @@ from megatron_mecefo.sim.failures import FailureProcess
 from megatron_mecefo.sim.simulator import JobConfig, SimResult, simulate, trace_for_job
 from megatron_mecefo.sim.strategies import (
     MEASURED_NEIGHBOR_STEP_RATIO,
+    MEASURED_SNAPSHOT_RESTART_S,
     STRATEGY_NAMES,
     StrategyConfig,
 )
@@ -39,8 +40,8 @@ class PlanConfig:
     """MeCeFO takeover policies to try."""
     neighbor_step_ratio: float = MEASURED_NEIGHBOR_STEP_RATIO
     """MeCeFO degraded neighbour step time ratio (measured by the trainer benchmark)."""
-    snapshot_restart_s: float = 300.0
-    """Restart cost from the in-memory snapshot (from the snapshot benchmark)."""
+    snapshot_restart_s: float = MEASURED_SNAPSHOT_RESTART_S
+    """Restart cost from the in-memory snapshot (measured by tools/bench/recovery.py)."""
 
     def __post_init__(self) -> None:
         unknown = [s for s in self.strategies if s not in STRATEGY_NAMES]

@@ -187,6 +187,8 @@ class _Run:
         self.log(0)
         self.restarts += 1
         self.t += self.strategy.restart_s
+        if not self.strategy.uses_disk_checkpoints:  # every-step snapshot: only the step in flight
+            self.saved = math.floor(self.progress)
         self.progress = self.saved
         self.strategy.reset()
         self.rejoins.clear()

@@ -160,3 +160,13 @@ def test_rejoin_restores_the_failure_free_step_time_by_hand():
     cfg = StrategyConfig(name="replication", redundancy=2, checkpoint_interval_s=1e9)
     res = simulate(SMALL, cfg, trace((200.0, 1, 300.0), (600.0, 0, math.inf)))
     assert res.restarts == 0 and res.ttt_s == pytest.approx(2 * SMALL.t0_s)
+
+
+def test_snapshot_restart_keeps_the_progress_of_the_last_whole_step():
+    """Every-step in-memory snapshot: a failure costs the restart and the step in flight, never
+    a rollback to a disk checkpoint. By hand: failure at t = 255 s (25.5 steps of 10 s), restart
+    100 s, resume from step 25: finish at 255 + 100 + 75 x 10 = 1105 s."""
+    cfg = StrategyConfig(name="snapshot", snapshot_overhead=0.0, snapshot_restart_s=100.0)
+    res = simulate(SMALL, cfg, trace((255.0, 3, math.inf)))
+    assert res.restarts == 1
+    assert res.ttt_s == pytest.approx(1105.0)

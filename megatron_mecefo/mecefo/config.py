@@ -33,6 +33,9 @@ class MecefoConfig:
     moment E[x x^T] collected on exact micro-batches (falls back to `weight_svd` until it has
     seen as many tokens as the input dimension). The default by measurement: relative FFN
     weight-gradient error at r = n/8 on a model trained on real text (docs/mecefo.md)."""
+    activation_stats_interval: int = 10
+    """activation basis: update the statistics on every this many steps only, so normal
+    (failure-free) ranks pay ~1/interval of the already small sampling cost."""
     activation_stats_tokens: int = 256
     """activation basis: tokens sampled (evenly strided) from the first exact micro-batch of each
     step to update the second moment of each FFN linear's input (cost ~tokens x n^2 per linear)."""
@@ -71,6 +74,10 @@ class MecefoConfig:
         if self.lowrank_basis not in ("weight_svd", "activation"):
             raise ValueError(
                 f"lowrank_basis must be 'weight_svd' or 'activation', got {self.lowrank_basis!r}"
+            )
+        if self.activation_stats_interval < 1:
+            raise ValueError(
+                f"activation_stats_interval must be >= 1 step, got {self.activation_stats_interval}"
             )
         if self.activation_stats_tokens < 1:
             raise ValueError(

@@ -235,7 +235,7 @@ class DegradedModeController:
         for _, layer in self._layers:
             hooks = getattr(layer, _HOOKS_ATTR)
             hooks.bucket = bucket
-            if hooks.stat_handles:
+            if hooks.stat_handles and self._step % self._cfg.activation_stats_interval == 0:
                 hooks.collect = [True, True]
 
     def is_masked_param(self, name: str) -> bool:

@@ -343,3 +343,18 @@ def test_megatron_ddp_mixed_exact_and_degraded_microbatches(build_tiny, tiny_bat
         _loss(ddp, tiny_batch(cfg, seed=seed)).backward()
     for name, p in ddp.named_parameters():
         torch.testing.assert_close(p.main_grad, expected[name.removeprefix("module.")], msg=name)
+
+
+def test_activation_statistics_are_sampled_every_interval_steps_only(build_tiny, tiny_batch):
+    """Failure-free ranks pay the sampling cost on 1 step in `activation_stats_interval`."""
+    model, cfg = build_tiny()
+    ctl = install_degraded_mode(
+        model, MecefoConfig(lowrank_basis="activation", activation_stats_interval=3, tau=50)
+    )
+    stats = model.decoder.layers[0].mecefo_hooks.v1_cache.stats
+    updates = []
+    for step in range(7):
+        ctl.on_step_start(step)
+        _loss(model, tiny_batch(cfg, mbs=4, seed=step))
+        updates.append(stats.updates)
+    assert updates == [1, 1, 1, 2, 2, 2, 3]  # steps 0, 3 and 6

@@ -16,6 +16,7 @@ config or data, coordinator lost, job aborted) stops the node with that code. Ex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -403,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
                 coordinator.wait(10)
     if code == ExitCode.OK and agent.snapshot_dir is not None:
         shutil.rmtree(agent.snapshot_dir, ignore_errors=True)  # the job is done: free the memory
+        with contextlib.suppress(OSError):  # the run's folder, once the last node's is gone
+            agent.snapshot_dir.parent.rmdir()
     agent.log(f"done (exit {code})")
     return code
 

@@ -20,6 +20,7 @@ import os
 import pickle
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,40 +44,42 @@ class _TensorRef:
     nbytes: int
 
 
+def _map_leaves(obj: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
+    """A copy of the nested dict/list/tuple `obj` with every leaf for which `is_leaf` holds
+    replaced by `fn(leaf)` (containers rebuilt, other values shared)."""
+    if is_leaf(obj):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: _map_leaves(v, is_leaf, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_map_leaves(v, is_leaf, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_leaves(v, is_leaf, fn) for v in obj)
+    return obj
+
+
+def _is_placeholder(obj: Any) -> bool:
+    return isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__"
+
+
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """Replace every tensor in a nested dict/list/tuple by its index in the returned list."""
     tensors: list[torch.Tensor] = []
 
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            tensors.append(obj)  # state dicts hold detached tensors already
-            return ("__tensor__", len(tensors) - 1)
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+    def take(t: torch.Tensor) -> tuple[str, int]:
+        tensors.append(t)  # state dicts hold detached tensors already
+        return ("__tensor__", len(tensors) - 1)
 
-    return walk(state), tensors
+    return _map_leaves(state, lambda o: isinstance(o, torch.Tensor), take), tensors
 
 
 def _unflatten(skeleton: Any, refs: list[_TensorRef], base: torch.Tensor) -> Any:
-    def walk(obj: Any) -> Any:
-        if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__":
-            ref = refs[obj[1]]
-            raw = base[ref.offset : ref.offset + ref.nbytes].clone()
-            return raw.view(ref.dtype).reshape(ref.shape)
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, list):
-            return [walk(v) for v in obj]
-        if isinstance(obj, tuple):
-            return tuple(walk(v) for v in obj)
-        return obj
+    def load(placeholder: tuple[str, int]) -> torch.Tensor:
+        ref = refs[placeholder[1]]
+        raw = base[ref.offset : ref.offset + ref.nbytes].clone()
+        return raw.view(ref.dtype).reshape(ref.shape)
 
-    return walk(skeleton)
+    return _map_leaves(skeleton, _is_placeholder, load)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

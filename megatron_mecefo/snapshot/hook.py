@@ -28,7 +28,6 @@ class SnapshotHook(TrainHook):
         self, cfg: SnapshotConfig, directory: Path | None, rank: int, *, max_steps: int, log
     ):
         self.cfg = cfg
-        self.directory = directory
         self.rank = rank
         self.max_steps = max_steps
         self.log = log
@@ -44,7 +43,6 @@ class SnapshotHook(TrainHook):
             "bytes": 0,
             "last_step": None,
             "copy_s": [],
-            "seal_s": [],
             "blocked_s": 0.0,
             "failed": 0,
         }
@@ -104,9 +102,7 @@ class SnapshotHook(TrainHook):
                     slot.copy_tensor(base + ref.offset, tensor)
                 self.stats["copy_s"].append(time.perf_counter() - t0)
                 self._staged.set()
-                t1 = time.perf_counter()
                 slot.seal()
-                self.stats["seal_s"].append(time.perf_counter() - t1)
                 self.stats["saved"] += 1
                 self.stats["bytes"] = payload + len(skeleton)
                 self.stats["last_step"] = next_step

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_mecefo.checkpoint import layout
-from megatron_mecefo.checkpoint.manager import CheckpointManager, checkpoint_root
+from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
 from megatron_mecefo.errors import CheckpointError, SnapshotCorruptError
 from megatron_mecefo.snapshot.paths import SMP_ENV
 from megatron_mecefo.snapshot.slots import SlotPair
@@ -57,9 +56,17 @@ class Recovery:
         self.log = log
         self.used: Candidate | None = None
         self.skipped: list[str] = []
+        self._listed: list[Candidate] | None = None
 
     def candidates(self) -> list[Candidate]:
-        """Newest first; at equal steps, memory before disk. Reads headers and markers only."""
+        """Newest first; at equal steps, memory before disk. Reads headers and markers only
+        (and validates the disk checkpoint's checksums). Listed once: the next `load` uses
+        this list, so a start that asks first does not hash the checkpoint twice."""
+        if self._listed is None:
+            self._listed = self._list()
+        return self._listed
+
+    def _list(self) -> list[Candidate]:
         found: list[Candidate] = []
         if self.cfg.checkpoint.resume == "never":
             return found
@@ -69,13 +76,7 @@ class Recovery:
             for step in sorted(self.pair.clean_steps(), reverse=True):
                 source = "parity" if step == rebuilt else "snapshot"
                 found.append(Candidate(source, step, str(self.snapshot_dir)))
-        if self.cfg.checkpoint.resume == "auto":
-            disk = layout.newest_valid(
-                checkpoint_root(self.cfg.checkpoint, self.cfg.run_dir), self.log
-            )
-        else:
-            folder = Path(self.cfg.checkpoint.resume)
-            disk = (folder, layout.validate(folder))
+        disk = find_resume(self.cfg.checkpoint, self.cfg.run_dir, self.log)
         if disk is not None:
             found.append(Candidate("disk", int(disk[1]["next_step"]), str(disk[0]), disk))
         return sorted(found, key=lambda c: (-c.step, c.source == "disk"))
@@ -93,6 +94,7 @@ class Recovery:
             CheckpointError: some rank has state but no step could be loaded by all of them.
         """
         remaining = self.candidates()
+        self._listed = None  # a later load lists again (state may have been written since)
         had_state = int(bool(remaining))
         tried: list[str] = []
         while True:
@@ -174,14 +176,6 @@ class Recovery:
             return int(json.loads(marker.read_text())["step"])
         except (OSError, ValueError, KeyError):
             return None
-
-    def describe(self) -> dict[str, Any]:
-        used = self.used
-        return {
-            "source": used.source if used else None,
-            "step": used.step if used else None,
-            "skipped": list(self.skipped),
-        }
 
 
 def _describe(cand: Candidate) -> str:

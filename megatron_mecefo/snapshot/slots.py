@@ -178,7 +178,7 @@ class SlotFile:
 def plan_layout(state: Any) -> tuple[bytes, list[_TensorRef], list[torch.Tensor], int]:
     """Skeleton bytes, tensor refs (offsets relative to the payload start), tensors, payload size.
 
-    Offsets are relative to the payload; `SlotWriter` adds the header and skeleton length."""
+    Offsets are relative to the payload, which starts after the header and the skeleton."""
     skeleton, tensors = flatten(state)
     refs, offset = [], 0
     for t in tensors:
@@ -215,7 +215,8 @@ class SlotPair:
         """The state of `step` (raises SnapshotCorruptError if it is not held or fails its CRC)."""
         slot = self.clean_steps().get(step)
         if slot is None:
-            raise SnapshotCorruptError(f"no clean snapshot of step {step} in {slot_dir_name(self)}")
+            where = self.slots[0].path.parent
+            raise SnapshotCorruptError(f"no clean snapshot of step {step} in {where}")
         got, state = slot.read(verify=verify)
         if got != step:  # rewritten between the header check and the read
             raise SnapshotCorruptError(f"snapshot of step {step} was overwritten while reading")
@@ -234,7 +235,3 @@ class SlotPair:
     def close(self) -> None:
         for slot in self.slots:
             slot.close()
-
-
-def slot_dir_name(pair: SlotPair) -> str:
-    return str(pair.slots[0].path.parent)

@@ -40,3 +40,15 @@ def build_bench_engine(
         ],
     )
     return build_engine(cfg, ctx)
+
+
+def synthetic_batch(model_cfg, micro_batch_size: int, device):
+    """A fixed random (tokens, position ids, labels) micro-batch for a bare GPTModel."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    s = model_cfg.seq_length
+    tokens = torch.randint(0, model_cfg.vocab_size, (micro_batch_size, s), generator=gen)
+    tokens = tokens.to(device)
+    positions = torch.arange(s, device=device).expand(micro_batch_size, s)
+    return tokens, positions, tokens.roll(-1, 1)

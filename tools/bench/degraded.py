@@ -83,6 +83,7 @@ class BareModel:
 
     def __init__(self, model_cfg, args, device, hooked: bool = True):
         import torch
+        from bench_engine import synthetic_batch
 
         from megatron_mecefo.mcore.model import build_gpt_model
         from megatron_mecefo.mcore.parallel import seed_everything
@@ -94,14 +95,7 @@ class BareModel:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.m = args.microbatches
         self.device = device
-        gen = torch.Generator().manual_seed(0)
-        s = model_cfg.seq_length
-        tokens = torch.randint(0, model_cfg.vocab_size, (args.mbs, s), generator=gen).to(device)
-        self.batch = (
-            tokens,
-            torch.arange(s, device=device).expand(args.mbs, s),
-            tokens.roll(-1, 1),
-        )
+        self.batch = synthetic_batch(model_cfg, args.mbs, device)
 
     def micro_batch(self, degraded: bool) -> None:
         tokens, pos, labels = self.batch

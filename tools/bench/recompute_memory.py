@@ -83,7 +83,7 @@ class CoveringRank:
     """A GPTModel with degraded-mode hooks; runs K micro-batches in one mode, no optimizer."""
 
     def __init__(self, model_cfg, args, device, recompute: bool):
-        import torch
+        from bench_engine import synthetic_batch
 
         from megatron_mecefo.mcore.model import build_gpt_model
         from megatron_mecefo.mcore.parallel import seed_everything
@@ -92,14 +92,7 @@ class CoveringRank:
         seed_everything(1234)
         self.model = build_gpt_model(model_cfg)[0].to(device)
         self.controller = install_degraded_mode(self.model, MecefoConfig(recompute_ffn=recompute))
-        gen = torch.Generator().manual_seed(0)
-        s = model_cfg.seq_length
-        tokens = torch.randint(0, model_cfg.vocab_size, (args.mbs, s), generator=gen).to(device)
-        self.batch = (
-            tokens,
-            torch.arange(s, device=device).expand(args.mbs, s),
-            tokens.roll(-1, 1),
-        )
+        self.batch = synthetic_batch(model_cfg, args.mbs, device)
         self.k = args.microbatches
 
     def micro_batch(self, degraded: bool) -> None:

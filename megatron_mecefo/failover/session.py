@@ -82,13 +82,18 @@ def run_with_failover(cfg, args, say) -> int:
     first = rank == 0 and incarnation == 0
     shm = node_dir(cfg.snapshot, cfg.run_dir) if cfg.snapshot.enabled else None
     log = lambda m: print(f"[recovery] rank {rank}: {m}", flush=True)  # noqa: E731
-    recovery = Recovery(cfg, rank=rank, snapshot_dir=shm, log=log)
+    ctx = init_replica_parallel(cfg, backend, address, replica, tp_rank, tp, incarnation)
+    recovery = Recovery(
+        cfg,
+        rank=rank,
+        snapshot_dir=shm,
+        agree_min=agree_min_over_default_group(ctx.device),  # over this replica's TP ranks
+        log=log,
+    )
     # a fresh job start (every rank's first incarnation) takes the newest state it can find; a
     # restarted rank takes it from a live peer, or (every replica lost) from the recovery order
     resuming = incarnation == 0 and bool(recovery.candidates())
     run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite or not first, resuming=resuming)
-    ctx = init_replica_parallel(cfg, backend, address, replica, tp_rank, tp, incarnation)
-    recovery.agree_min = agree_min_over_default_group(ctx.device)  # over this replica's TP ranks
     lead_say = say if first else (lambda *a, **k: None)
     engine = build_engine(
         cfg,

@@ -105,9 +105,7 @@ def prepare_data(
     else:
         barrier()  # same barrier count on every path
         prefix, tok_model = cfg.path, cfg.tokenizer_model
-        cache_dir = cfg.cache_dir or os.path.join(
-            os.path.dirname(os.path.abspath(prefix)), "index_cache"
-        )
+        cache_dir = build_dir(cfg)
 
     info = mds.validate_indexed_dataset(prefix)
     tokenizer = mds.SentencePieceTokenizer(tok_model)
@@ -143,6 +141,14 @@ def prepare_data(
         tokenizer_model=tok_model,
         source_entropy_rate_nats_per_word=rate,
     )
+
+
+def build_dir(cfg: DataConfig) -> str:
+    """The folder data preparation writes into: the demo corpus folder, else the index cache
+    (`cache_dir`, default `index_cache/` next to the data files)."""
+    if cfg.path is None:
+        return cfg.demo_dir
+    return cfg.cache_dir or os.path.join(os.path.dirname(os.path.abspath(cfg.path)), "index_cache")
 
 
 def valid_floor(entropy: np.ndarray, lengths: np.ndarray, ids: np.ndarray) -> float:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.liveness import node_key, node_report
 from megatron_mecefo.snapshot.paths import NODE_DIR_ENV, SMP_ENV, node_dir
 
 FATAL = {
@@ -115,6 +116,7 @@ class Agent:
         self.snapshot_dir, self.smp_cmd = snapshot_process_command(args, address, self.ranks)
         self.smp: subprocess.Popen | None = None
         self.preempted = False  # a rank exited PREEMPTED (stopped on request after a checkpoint)
+        self.report_seq = 0
 
     def log(self, msg: str) -> None:
         print(f"[agent {self.args.node_rank}] {msg}", flush=True)
@@ -127,6 +129,7 @@ class Agent:
             "LOCAL_WORLD_SIZE": str(self.args.nproc_per_node),
             keys.COORDINATOR_ENV: self.address,
             keys.INCARNATION_ENV: str(self.incarnation[rank]),
+            keys.NODE_RANK_ENV: str(self.args.node_rank),
             **(
                 {NODE_DIR_ENV: str(self.snapshot_dir), SMP_ENV: "1"}
                 if self.smp_cmd is not None
@@ -207,6 +210,7 @@ class Agent:
             self.log(f"stop requested ({self.stop_reason}): ranks checkpoint and stop")
             self.store.set(keys.STOP, f"node {self.args.node_rank}: {self.stop_reason}")
         done = self.store.check([keys.DONE]) or self.store.check([keys.STOP])
+        self._report_liveness()
         if self.smp is not None and self.smp.poll() is not None and not done:
             self.log(f"the snapshot process exited ({self.smp.returncode}); restarting it")
             self._start_smp()
@@ -237,6 +241,12 @@ class Agent:
                 self.spawn(rank)
                 self._top_up_spares()
         return None
+
+    def _report_liveness(self) -> None:
+        """One key per node: what the kernel says of each rank (see `liveness.py`)."""
+        self.report_seq += 1
+        procs = {r: (self.incarnation[r], p.pid) for r, p in self.procs.items()}
+        self.store.set(node_key(self.args.node_rank), node_report(self.report_seq, procs))
 
     def _maybe_evict(self, rank: int, proc: subprocess.Popen) -> None:
         key = keys.evict(rank)
@@ -355,12 +365,22 @@ def _ignore_stop_signal() -> None:
 
 
 def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
-    """The coordinator in its own session (a signal to the agent's group does not reach it)."""
-    port_file = Path(tempfile.mkdtemp(prefix="mecefo-coord-")) / "port"
+    """The job's store and coordinator (`store_host.py`) in their own session (a signal to the
+    agent's group does not reach them)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mecefo-coord-"))
+    try:
+        return _start_coordinator(world, port, extra, tmp / "port")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_coordinator(
+    world: int, port: int, extra: list[str], port_file: Path
+) -> tuple[subprocess.Popen, int]:
     cmd = [
         sys.executable,
         "-m",
-        "megatron_mecefo.failover.coordinator",
+        "megatron_mecefo.failover.store_host",
         "--world-size",
         str(world),
         "--port",

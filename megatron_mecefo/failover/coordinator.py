@@ -1,23 +1,27 @@
-"""`mecefo-coordinator`: serves the job's TCPStore and is the single membership authority.
+"""The membership coordinator: the single authority that declares ranks dead and publishes
+generations.
 
-It runs in its own small process (started by `mecefo-launch` on the head node), so no trainer's
-death takes the store down. Every 50 ms it reads death reports (every 100 ms heartbeats and
-progress markers), declares ranks dead (reported exit, heartbeat silence, or a hang: not moving
-while another member is ahead of it, for longer than max(floor, factor x step time)), and
-publishes a new *generation* (the alive replicas) after a short grace window, so simultaneous
-failures land in one decision. A replica is alive only if all its TP ranks are. Restarted
-replicas join the next generation once all their ranks have registered. It also writes
-`events.jsonl` for the run.
+It is a client of the job's store (served by `mecefo-coordinator`, `store_host.py`, which runs
+this module as a child and restarts it when it dies). Every 50 ms it reads death reports (every
+100 ms heartbeats, progress markers and the agents' node reports), declares ranks dead (reported
+exit; heartbeat silence, judged with the agents' evidence: `liveness.py`; or a hang: not moving
+while another member is ahead of it, for longer than max(floor, factor x step time)), and publishes
+a new *generation* (the alive replicas) after a short grace window, so simultaneous failures land
+in one decision. A replica is alive only if all its TP ranks are. Restarted replicas join the next
+generation once all their ranks have registered. It also writes `events.jsonl` for the run.
 
-Split brain: the coordinator is the only authority. Trainers that lose it exit
-(COORDINATOR_LOST); a replica it removed is fenced (evicted by its agent, then rejoins).
+All of its state lives in the store, so a restarted coordinator `restore`s it (generation,
+members, incarnations, evictions, job step, events written) while the trainers go on.
+
+Split brain: the coordinator is the only authority (one at a time: each instance takes an epoch
+and stops when a newer one exists). Trainers that lose the store exit (COORDINATOR_LOST); a
+replica it removed is fenced (evicted by its agent, then rejoins).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -26,7 +30,12 @@ import time
 from pathlib import Path
 
 from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.liveness import NodeWatch, Verdict, node_key
 from megatron_mecefo.metrics.events import EventWriter
+
+PAUSE_S = 1.0
+"""A gap between two ticks longer than this means the coordinator itself was not running (starved,
+stopped, restarted): the heartbeat ages it measured are not evidence, so they restart from now."""
 
 
 def _env_float(name: str, default: float) -> float:
@@ -38,7 +47,13 @@ class DetectorConfig:
     """Detection and membership knobs (flags of mecefo-coordinator / mecefo-launch)."""
 
     heartbeat_timeout_s: float = 3.0
-    """A rank whose heartbeat counter has not moved for this long is dead (SIGKILL, SIGSTOP)."""
+    """Soft timeout: a rank whose heartbeat has not moved for this long is dead if its agent sees
+    it stopped or gone, or its agent is silent too (SIGSTOP, node loss)."""
+    heartbeat_hard_timeout_s: float = 60.0
+    """Hard timeout: a silent rank whose agent still sees it alive (a starved interpreter, an
+    overloaded host) is declared dead only after this long."""
+    agent_timeout_s: float = 5.0
+    """A node agent whose report has not moved for this long is gone (with its node)."""
     hang_timeout_floor_s: float = 10.0
     """Lower bound of the hang timeout (a rank computing while the others wait to reduce)."""
     hang_timeout_factor: float = 5.0
@@ -53,9 +68,18 @@ class DetectorConfig:
     """Tick period (heartbeats and progress are read every other tick)."""
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_timeout_s", "hang_timeout_floor_s", "start_timeout_s", "poll_s"):
+        for name in (
+            "heartbeat_timeout_s",
+            "heartbeat_hard_timeout_s",
+            "agent_timeout_s",
+            "hang_timeout_floor_s",
+            "start_timeout_s",
+            "poll_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.heartbeat_hard_timeout_s < self.heartbeat_timeout_s:
+            raise ValueError("heartbeat_hard_timeout_s must be >= heartbeat_timeout_s")
         if self.grace_s < 0 or self.hang_timeout_factor <= 0 or self.min_replicas < 1:
             raise ValueError("grace_s must be >= 0, hang_timeout_factor > 0, min_replicas >= 1")
 
@@ -68,6 +92,7 @@ class _RankState:
     progress: str = ""
     progress_changed: float = 0.0
     evicted_incarnation: int = -1
+    slow_since: float | None = None  # silent but alive (logged once per episode)
 
 
 class Coordinator:
@@ -98,6 +123,11 @@ class Coordinator:
         self.recovering_since: float | None = None  # every replica lost: waiting for restarts
         self._recovery: dict | None = None
         self._recover_failure_epoch: float | None = None
+        self.nodes = NodeWatch(cfg.agent_timeout_s)
+        self._node_ids: set[int] = set()
+        self._last_tick: float | None = None
+        self._stale_inc: dict[int, int] = {}  # rank -> a dead incarnation still listed a member
+        self.epoch = 0
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -114,6 +144,9 @@ class Coordinator:
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
         now = time.monotonic()
+        if self._last_tick is not None and now - self._last_tick > PAUSE_S:
+            self._forget_ages(now, f"the coordinator did not run for {now - self._last_tick:.1f} s")
+        self._last_tick = now
         self._ticks += 1
         self._read_registrations()
         if self._ticks % 2 == 0 or self.gen == 0:
@@ -140,6 +173,8 @@ class Coordinator:
             if not self.store.check([key]):
                 continue
             reg = json.loads(self.store.get(key))
+            if "node" in reg:
+                self._node_ids.add(int(reg["node"]))
             if reg["incarnation"] != st.incarnation:
                 st.incarnation = reg["incarnation"]
                 st.hb_value, st.hb_changed = -1, time.monotonic()
@@ -165,6 +200,18 @@ class Coordinator:
             text = prog.decode()
             if text != st.progress:
                 st.progress, st.progress_changed = text, now
+        nodes = [n for n in sorted(self._node_ids) if self.store.check([node_key(n)])]
+        if nodes:
+            for node, raw in zip(nodes, self.store.multi_get([node_key(n) for n in nodes])):
+                self.nodes.update(node, raw, now)
+
+    def _forget_ages(self, now: float, why: str) -> None:
+        """Restart every silence clock from now (see PAUSE_S)."""
+        self.log(f"[coordinator] {why}: heartbeat and progress ages restart from now")
+        for st in self.ranks.values():
+            st.hb_changed = st.progress_changed = now
+        self.nodes.refresh(now)
+        self.step_changed = now
 
     def _maybe_form_first_generation(self, now: float) -> None:
         if len(self._registered()) == self.world and self.tp is not None:
@@ -202,9 +249,10 @@ class Coordinator:
             inc, epoch = self.reported.get(rank, (-1, 0.0))
             if inc == st.incarnation:
                 reason, failed_at = "process exited", epoch
-            if reason is None and now - st.hb_changed > self.cfg.heartbeat_timeout_s:
-                reason = f"no heartbeat for {now - st.hb_changed:.1f} s"
-                failed_at -= now - st.hb_changed
+            if reason is None:
+                reason = self._silence(rank, st, now)
+                if reason is not None:
+                    failed_at -= now - st.hb_changed
             if reason is None and self._is_hung(rank, progress, now):
                 reason = f"hung in step {progress[rank][1]} for {now - st.progress_changed:.1f} s"
                 failed_at -= now - st.progress_changed
@@ -212,6 +260,23 @@ class Coordinator:
                 self.pending[rank] = (failed_at, reason)
                 if self.first_detection is None:
                     self.first_detection = now
+
+    def _silence(self, rank: int, st: _RankState, now: float) -> str | None:
+        """Why `rank`'s heartbeat silence makes it dead, or None while it does not (yet)."""
+        silent = now - st.hb_changed
+        if silent <= self.cfg.heartbeat_timeout_s:
+            st.slow_since = None
+            return None
+        verdict, why = self.nodes.verdict(rank, st.incarnation, now)
+        if verdict is Verdict.SLOW and silent <= self.cfg.heartbeat_hard_timeout_s:
+            if st.slow_since is None:
+                st.slow_since = now
+                self.log(
+                    f"[coordinator] rank {rank}: no heartbeat for {silent:.1f} s but {why}: slow, "
+                    f"not dead (hard timeout {self.cfg.heartbeat_hard_timeout_s:.0f} s)"
+                )
+            return None
+        return f"no heartbeat for {silent:.1f} s ({why})"
 
     def _read_dead_reports(self) -> None:
         seq = keys.get_int(self.store, keys.DEAD_SEQ, 0)
@@ -314,14 +379,17 @@ class Coordinator:
                     self.log(f"[coordinator] rank {rank} (replica {rep}) restarts with the job")
                     continue
                 failed_at, reason = self.pending.get(rank, (detected, "TP peer of a lost rank"))
-                injected = keys.injected(rank, st.incarnation)
+                inc = self._stale_inc.pop(rank, st.incarnation)
+                st.evicted_incarnation = inc
+                if keys.get_int(self.store, keys.evict(rank), -1) == inc:
+                    continue  # a previous coordinator reported it already, then died
+                injected = keys.injected(rank, inc)
                 if self.store.check([injected]):  # the true failure time of an injection
                     kind, _, epoch = self.store.get(injected).decode().partition(":")
                     failed_at, reason = min(failed_at, float(epoch)), f"injected {kind}: {reason}"
                     self.pending[rank] = (failed_at, reason)
                 self.pending.setdefault(rank, (failed_at, reason))
-                st.evicted_incarnation = st.incarnation
-                self.store.set(keys.evict(rank), str(st.incarnation))
+                self.store.set(keys.evict(rank), str(inc))
                 common = dict(step=max(self.job_step, 0), dp_rank=rep, ranks=[rank])
                 keys.post_event(self.store, "failure", epoch_s=failed_at, detail=reason, **common)
                 keys.post_event(
@@ -381,13 +449,52 @@ class Coordinator:
         )
         self.log(f"[coordinator] aborting the job: {reason}")
 
+    # ------------------------------------------------------------------ restart
+    def restore(self) -> None:
+        """Take over from a previous coordinator of this job: rebuild the state it kept in the
+        store. Ranks whose listed incarnation died meanwhile are removed at the next decision."""
+        now = time.monotonic()
+        self.epoch = self.store.add(keys.COORD_EPOCH, 1)
+        first_start = self.store.compare_set(keys.COORD_STARTED, "", str(time.time()))
+        started = float(first_start.decode())
+        self.started = now - max(0.0, time.time() - started)
+        self._read_registrations()
+        if self.store.check([keys.ABORT]):
+            self.aborted = self.store.get(keys.ABORT).decode()
+        self.job_step = keys.get_int(self.store, keys.JOB_STEP, -1)
+        for rank, st in self.ranks.items():
+            st.evicted_incarnation = keys.get_int(self.store, keys.evict(rank), -1)
+            st.hb_changed = st.progress_changed = now
+        self.gen = keys.get_int(self.store, keys.GEN)
+        if self.gen == 0:
+            return
+        record = json.loads(self.store.get(keys.gen_record(self.gen)))
+        self.members, self.tp = tuple(record["members"]), int(record["tp"])
+        listed = record.get("incarnations", {})
+        for rank in self._member_ranks():
+            inc = int(listed.get(str(rank), self.ranks[rank].incarnation))
+            if self.ranks[rank].incarnation != inc:  # restarted while no coordinator ran
+                self._stale_inc[rank] = inc
+                self.pending[rank] = (time.time(), "restarted while the coordinator was down")
+                self.first_detection = now
+        self.log(
+            f"[coordinator] restored (epoch {self.epoch}): generation {self.gen}, members "
+            f"{list(self.members)}, job step {self.job_step}, {len(self._stale_inc)} stale rank(s)"
+        )
+
+    def superseded(self) -> bool:
+        """A newer coordinator took over (this one was paused, then resumed): stop deciding."""
+        return keys.get_int(self.store, keys.COORD_EPOCH) != self.epoch
+
     # ------------------------------------------------------------------ events
     def _drain_events(self) -> None:
         if self.writer is None:
             if not self.store.check([keys.RUN_DIR]):
                 return
             run_dir, _, start = self.store.get(keys.RUN_DIR).decode().rpartition("|")
-            self.writer = EventWriter(Path(run_dir) / "events.jsonl", float(start))
+            path = Path(run_dir) / "events.jsonl"
+            self.next_event = max(self.next_event, _last_seq(path) + 1)
+            self.writer = EventWriter(path, float(start))
         last = keys.get_int(self.store, keys.EVENT_SEQ, 0)
         while self.next_event <= last:
             key = keys.event(self.next_event)
@@ -396,7 +503,8 @@ class Coordinator:
             ev = json.loads(self.store.get(key))
             epoch = ev.pop("epoch_s")
             ev_type = ev.pop("type")
-            self.writer.write(ev_type, time_s=epoch, **ev)
+            # `seq` lets a restarted coordinator skip what its predecessor wrote before dying
+            self.writer.write(ev_type, time_s=epoch, seq=self.next_event, **ev)
             self.next_event += 1
 
     def close(self) -> None:
@@ -406,6 +514,23 @@ class Coordinator:
             pass
         if self.writer is not None:
             self.writer.close()
+
+
+def _last_seq(path: Path) -> int:
+    """The `seq` of the last complete line of an events file (0 if none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 65536))
+            lines = fh.read().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line).get("seq", 0))
+        except (ValueError, AttributeError):
+            continue
+    return 0
 
 
 _PHASE_ORDER = {"idle": -1, "compute": 0, "reduce": 1}
@@ -419,60 +544,60 @@ def _parse_progress(text: str) -> tuple[int, int, str]:
     return int(parts[0]), int(parts[1]), parts[2]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+_FLAGS = (
+    ("heartbeat_timeout_s", "MECEFO_HEARTBEAT_TIMEOUT_S"),
+    ("heartbeat_hard_timeout_s", "MECEFO_HEARTBEAT_HARD_TIMEOUT_S"),
+    ("agent_timeout_s", "MECEFO_AGENT_TIMEOUT_S"),
+    ("hang_timeout_floor_s", "MECEFO_HANG_TIMEOUT_FLOOR_S"),
+    ("hang_timeout_factor", "MECEFO_HANG_TIMEOUT_FACTOR"),
+    ("grace_s", "MECEFO_GRACE_S"),
+    ("start_timeout_s", "MECEFO_START_TIMEOUT_S"),
+)
+
+
+def add_detector_flags(p: argparse.ArgumentParser) -> None:
+    """The DetectorConfig flags, each defaulting to its MECEFO_* environment variable."""
     d = DetectorConfig()
-    p = argparse.ArgumentParser(
-        prog="mecefo-coordinator",
-        description="Serve the failover store and decide membership (one per job, head node).",
-    )
-    p.add_argument("--world-size", type=int, required=True, help="trainer processes in the job")
-    p.add_argument("--host", default="0.0.0.0", help="listen address")
-    p.add_argument("--port", type=int, default=0, help="listen port (0: a free one)")
-    p.add_argument("--port-file", help="write the chosen port here once listening")
-    for name, env in (
-        ("heartbeat_timeout_s", "MECEFO_HEARTBEAT_TIMEOUT_S"),
-        ("hang_timeout_floor_s", "MECEFO_HANG_TIMEOUT_FLOOR_S"),
-        ("hang_timeout_factor", "MECEFO_HANG_TIMEOUT_FACTOR"),
-        ("grace_s", "MECEFO_GRACE_S"),
-        ("start_timeout_s", "MECEFO_START_TIMEOUT_S"),
-    ):
+    for name, env in _FLAGS:
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, type=float, default=_env_float(env, getattr(d, name)), help=f"${env}")
     p.add_argument(
         "--min-replicas", type=int, default=int(os.environ.get("MECEFO_MIN_REPLICAS", 1))
     )
+
+
+def detector_config(args: argparse.Namespace) -> DetectorConfig:
+    """Raises ValueError on a bad value."""
+    fields = {name: getattr(args, name) for name, _ in _FLAGS}
+    return DetectorConfig(**fields, min_replicas=args.min_replicas)
+
+
+def detector_argv(args: argparse.Namespace) -> list[str]:
+    """The flags that give the same DetectorConfig (handed to a restarted coordinator)."""
+    out = [f"--{name.replace('_', '-')}={getattr(args, name)!r}" for name, _ in _FLAGS]
+    return [*out, f"--min-replicas={args.min_replicas}"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m megatron_mecefo.failover.coordinator",
+        description="The membership coordinator of one job, a client of its store (started and "
+        "restarted by mecefo-coordinator; not meant to be run by hand).",
+    )
+    p.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    p.add_argument("--world-size", type=int, required=True, help="trainer processes in the job")
+    add_detector_flags(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch.distributed as dist
-
     args = parse_args(argv)
     try:
-        cfg = DetectorConfig(
-            heartbeat_timeout_s=args.heartbeat_timeout_s,
-            hang_timeout_floor_s=args.hang_timeout_floor_s,
-            hang_timeout_factor=args.hang_timeout_factor,
-            grace_s=args.grace_s,
-            start_timeout_s=args.start_timeout_s,
-            min_replicas=args.min_replicas,
-        )
+        cfg = detector_config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    store = dist.TCPStore(
-        args.host,
-        args.port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=30),
-        use_libuv=True,
-    )
-    if args.port_file:
-        tmp = Path(args.port_file + ".tmp")
-        tmp.write_text(str(store.port))
-        tmp.replace(args.port_file)
-    print(f"[coordinator] serving on port {store.port} for {args.world_size} ranks", flush=True)
+    store = keys.connect(args.store, 30.0)
     stop = {"flag": False}
 
     def _stop(signum, frame):
@@ -481,11 +606,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
     coord = Coordinator(store, args.world_size, cfg, log=lambda m: print(m, flush=True))
+    coord.restore()
     agents_seen = False
     parent = os.getppid()
     try:
-        while not stop["flag"] and os.getppid() == parent:  # never outlive the launcher
+        while not stop["flag"] and os.getppid() == parent:  # never outlive the store's host
             coord.tick()
+            if coord._ticks % 20 == 0 and coord.superseded():
+                coord.log("[coordinator] a newer coordinator took over; stopping")
+                return 0
             active = keys.get_int(store, keys.AGENTS_ACTIVE, 0)
             agents_seen = agents_seen or active > 0
             if agents_seen and active <= 0:
@@ -493,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(cfg.poll_s)
     finally:
         coord.close()
-    return 8 if coord.aborted else 0
+    return 0
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ incarnation of the rank reaches that step first. Kinds:
              SIGKILLs and restarts it)
   exception  raise in the training step (the process exits 1; the agent restarts it)
   stall      the step never finishes but heartbeats go on (detected by the hang timeout)
+  starve     not a failure: a C call holds the interpreter lock for STARVE_S seconds (as a
+             native extension may), so the heartbeat thread is silent while the process lives;
+             the rank must be judged slow, not dead
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import time
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.failover import keys
 
-KINDS = ("kill", "hang", "exception", "stall")
+KINDS = ("kill", "hang", "exception", "stall", "starve")
+STARVE_S = 8
 AT_REJOIN = -1
 """`InjectionSpec.step` of a failure during a rejoin's state transfer."""
 _SCENARIO_KINDS = {"kill": "kill", "hang": "hang", "crash": "exception"}
@@ -124,3 +128,7 @@ class Injector:
         elif spec.kind == "stall":
             while True:
                 time.sleep(3600)
+        elif spec.kind == "starve":
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(STARVE_S)  # PyDLL: the GIL is held through the call

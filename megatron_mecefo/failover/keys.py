@@ -1,5 +1,5 @@
 """The coordinator store's key schema and client connection (one place, so writers and readers
-agree). The store is torch's C++ `TCPStore`, served by `mecefo-coordinator`.
+agree). The store is torch's C++ `TCPStore`, served by `mecefo-coordinator` (`store_host.py`).
 
 Ranks are global ranks; replicas are logical DP indices (global rank // TP), stable for the whole
 job. A rank's *incarnation* counts its restarts (0 for the first process).
@@ -42,6 +42,14 @@ AGENTS_ACTIVE = "agents/active"
 """Per-node agents running; the coordinator exits when it falls back to 0."""
 EVENT_SEQ = "ev/seq"
 """Counter of posted events; event i is under `ev/<i>` (1-based)."""
+COORD_EPOCH = "coord/epoch"
+"""Bumped by each coordinator instance at start; an instance that sees a newer one stops."""
+COORD_STARTED = "coord/started"
+"""Epoch time the first coordinator started (start timeout across coordinator restarts)."""
+DATA_READY = "data/ready"
+"""Set by the first data builder once the data and its index cache are on disk."""
+NODE_RANK_ENV = "MECEFO_NODE_RANK"
+"""The node (agent) a trainer runs on, set by the agent; in the registration as `node`."""
 
 
 def gen_record(gen: int) -> str:

@@ -19,6 +19,8 @@ and `commit_vote`, and is the loop's plan hook. The protocol, per step attempt (
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import statistics
@@ -154,6 +156,7 @@ class FailoverManager(TrainHook):
             "host": keys.this_host(),
             "tp": self.tp,
             "world": self.world,
+            "node": int(os.environ.get(keys.NODE_RANK_ENV, 0)),
         }
         self.hb = Heartbeat(
             self.address,
@@ -213,24 +216,54 @@ class FailoverManager(TrainHook):
         mine = incs.get(str(self.rank), self.incarnation)
         return self.replica in record["members"] and mine == self.incarnation
 
-    def data_barrier_for(self, is_builder: bool):
-        """A store-based barrier for data preparation across replicas (no DP group exists yet):
-        the builder marks each barrier it reaches, the others wait for the mark."""
-        calls = {"n": 0}
+    def data_preparation(self) -> dict[str, Any]:
+        """`build_engine`'s data arguments under failover. No rank is special, so a stalled or
+        restarted rank 0 cannot leave the others waiting: every replica's TP rank 0 is a builder;
+        builders take turns under a file lock beside the data (the first builds, the others find
+        the cache; a dead builder's lock goes with its process), then mark the data ready in the
+        store. The other TP ranks wait for that mark."""
+        if self.tp_rank == 0:
+            return {"data_rank": 0, "data_barrier": lambda: None, "data_guard": self._data_lock}
+        return {"data_rank": 1, "data_barrier": self._wait_data_ready, "data_guard": None}
 
-        def barrier() -> None:
-            calls["n"] += 1
-            key = f"data/barrier/{calls['n']}"
-            if is_builder:
-                self.store.set(key, "1")
-                return
+    @contextlib.contextmanager
+    def _data_lock(self):
+        from megatron_mecefo.data.pipeline import build_dir
+
+        folder = Path(build_dir(self.cfg.data))
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".mecefo-build.lock", "a+") as fh:
             deadline = time.monotonic() + self.fcfg.start_timeout_s
-            while not self.store.check([key]):
-                if time.monotonic() > deadline:
-                    raise QuorumTimeoutError("timed out waiting for rank 0 to prepare the data")
-                time.sleep(0.05)
+            next_note = time.monotonic() + 30
+            while True:
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise QuorumTimeoutError(
+                            f"another rank held the data-preparation lock in {folder} for "
+                            f"{self.fcfg.start_timeout_s:.0f} s (failover.start_timeout_s)"
+                        ) from None
+                    if time.monotonic() > next_note:
+                        self.log(f"rank {self.rank}: waiting for another rank to prepare the data")
+                        next_note += 30
+                    time.sleep(0.1)
+            try:
+                yield
+                self.store.set(keys.DATA_READY, "1")
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
-        return barrier
+    def _wait_data_ready(self) -> None:
+        deadline = time.monotonic() + self.fcfg.start_timeout_s
+        while not self.store.check([keys.DATA_READY]):
+            if time.monotonic() > deadline:
+                raise QuorumTimeoutError(
+                    f"no replica prepared the data within {self.fcfg.start_timeout_s:.0f} s "
+                    "(failover.start_timeout_s)"
+                )
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ hook
     def plan_for_step(self, engine, step: int) -> RankStepPlan | None:

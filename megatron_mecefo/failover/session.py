@@ -100,8 +100,7 @@ def run_with_failover(cfg, args, say) -> int:
         ctx,
         log=lambda m: lead_say(m, flush=True),
         membership=manager.membership,
-        data_rank=0 if first else 1,
-        data_barrier=manager.data_barrier_for(first),
+        **manager.data_preparation(),
     )
     manager.attach(engine)
     ckpt = CheckpointManager(
@@ -117,24 +116,18 @@ def run_with_failover(cfg, args, say) -> int:
         manager.next_step = recovery.load(engine, ckpt) or 0
     snapshots = SnapshotHook(cfg.snapshot, shm, rank, max_steps=cfg.training.max_steps, log=log)
     snapshots.attach(engine)
-    if first:
-        run_dir.create(
-            cfg,
-            {
-                "world_size": world,
-                "dp_size": world // tp,
-                "tp_size": tp,
-                "backend": backend,
-                "failover": True,
-            },
-            resume_step=manager.next_step,
-        )
-        manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
     try:
         start_step = manager.join(engine)
     except JobDone:
         say(f"rank {rank}: the job finished before this rank could rejoin", flush=True)
         return ExitCode.OK
+    if manager.is_leader and not manager.store.check([keys.RUN_DIR]):
+        # the first leader, whichever replica it is: a rank 0 that stalls or dies at start-up
+        # cannot leave the job without a run directory (it re-checks: rank 0 may not have)
+        run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=start_step > 0)
+        layout = {"world_size": world, "dp_size": world // tp, "tp_size": tp, "backend": backend}
+        run_dir.create(cfg, {**layout, "failover": True}, resume_step=start_step)
+        manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
     if start_step > 0:
         say(f"rank {rank} (incarnation {incarnation}) rejoined at step {start_step}", flush=True)
     if manager.is_leader and incarnation > 0:  # after an in-job recovery that rolled back

@@ -3,7 +3,8 @@
 The process that handles failures writes `run_dir/events.jsonl` through `EventWriter`; the
 simulator (`mecefo-sim replay`, `megatron_mecefo.sim.events`) reads it back with `read_events`.
 One JSON object per line. Required fields:
-  type        one of failure, detection, regroup, takeover, rejoin, restart, checkpoint, abort
+  type        one of failure, detection, regroup, takeover, rejoin, restart, checkpoint, abort,
+              recovery, coordinator_restart
   step        training step at which the event happened (int >= 0)
   dp_rank     DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint, ...);
               failure and rejoin events always name one
@@ -42,6 +43,7 @@ EVENT_TYPES = (
     "checkpoint",
     "abort",
     "recovery",
+    "coordinator_restart",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

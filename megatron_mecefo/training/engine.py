@@ -9,11 +9,13 @@ failures. A step that is not committed leaves the model untouched and is redone 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -271,6 +273,7 @@ def build_engine(
     membership: Membership | None = None,
     data_rank: int | None = None,
     data_barrier: Callable[[], None] | None = None,
+    data_guard: Callable[[], AbstractContextManager] | None = None,
 ) -> Engine:
     """Initialise distributed state (if not given) and build every component of a run.
 
@@ -282,20 +285,14 @@ def build_engine(
             own (megatron then sees one replica; cross-replica traffic is the membership's).
         data_rank, data_barrier: who builds the data and how ranks wait for it (default: the
             global rank and `ctx.barrier`; failover passes store-based ones across replicas).
+        data_guard: held around data preparation (failover: a lock among the builders).
     """
     ctx = ctx or init_parallel(cfg.parallel)
     membership = membership or Membership.static(*data_parallel_layout())
     tc = cfg.training
     n = membership.num_replicas
-    data = prepare_data(
-        cfg.data,
-        seq_length=cfg.model.seq_length,
-        num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * n,
-        num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
-        seed=tc.seed,
-        rank=ctx.rank if data_rank is None else data_rank,
-        barrier=data_barrier or ctx.barrier,
-    )
+    with data_guard() if data_guard is not None else contextlib.nullcontext():
+        data = _prepare(cfg, ctx, n, data_rank, data_barrier)
     check_vocab(data.tokenizer.vocab_size, cfg.model.vocab_size)
     seed_everything(tc.seed)
     bf16 = resolve_bf16(cfg, ctx)
@@ -314,3 +311,16 @@ def build_engine(
             f"DP={membership.num_replicas} TP={ctx.tp_size}, backend={ctx.backend}"
         )
     return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer, membership)
+
+
+def _prepare(cfg: RunConfig, ctx: ParallelContext, n: int, data_rank, data_barrier):
+    tc = cfg.training
+    return prepare_data(
+        cfg.data,
+        seq_length=cfg.model.seq_length,
+        num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * n,
+        num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
+        seed=tc.seed,
+        rank=ctx.rank if data_rank is None else data_rank,
+        barrier=data_barrier or ctx.barrier,
+    )

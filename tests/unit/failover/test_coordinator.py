@@ -3,29 +3,16 @@ by writing the keys a trainer and an agent write (registration, heartbeats, prog
 
 from __future__ import annotations
 
-import datetime
 import json
 import time
 
 import pytest
-import torch.distributed as dist
 
 from megatron_mecefo.failover import keys
 from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
 from megatron_mecefo.failover.manager import posted_events
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def store():
-    return dist.TCPStore(
-        "127.0.0.1",
-        0,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=10),
-    )
 
 
 def make(store, world=4, **kw):

@@ -1,0 +1,107 @@
+"""Liveness evidence from the node agents: tells a *slow* rank from a *gone* one.
+
+A trainer's own heartbeat is a thread in its interpreter: a C extension that holds the GIL (an
+index build, a big unpickle) or an overloaded host can starve it for seconds while the process is
+perfectly alive. So heartbeat silence is only a suspicion. Each node's agent, a small process that
+shares no interpreter with the trainers, publishes one key per node (`node/<i>`, one writer per
+node) with what the kernel says of each of its ranks: pid, incarnation, scheduler state and CPU
+time. The coordinator turns a silent heartbeat into a verdict:
+
+- GONE: the process is stopped (SIGSTOP, `T`), a zombie, or absent, or the agent itself is silent
+  (node lost) - dead at the soft timeout;
+- SLOW: the agent sees the process running or sleeping - dead only at the hard timeout;
+- UNKNOWN: no agent reports on this rank (e.g. threads as ranks in tests) - dead at the soft
+  timeout, as before.
+
+This module has no torch import: the agent imports it cheaply.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+GONE_STATES = frozenset("TtZX")
+"""/proc states of a process that will not beat again by itself: stopped, traced, zombie, dead."""
+
+
+class Verdict(enum.Enum):
+    GONE = "gone"
+    SLOW = "slow"
+    UNKNOWN = "unknown"
+
+
+def node_key(node: int) -> str:
+    """JSON {"seq": n, "ranks": {rank: [incarnation, pid, state, cpu_ticks]}} of one node."""
+    return f"node/{node}"
+
+
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(scheduler state letter, utime + stime in clock ticks) of `pid`, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()  # the command name may hold spaces or parens
+    if len(fields) < 13:
+        return None
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def node_report(seq: int, procs: dict[int, tuple[int, int]]) -> str:
+    """The node key's value for `procs` (rank -> (incarnation, pid)), read from /proc now."""
+    ranks = {}
+    for rank, (incarnation, pid) in procs.items():
+        st = proc_state(pid)
+        ranks[str(rank)] = [incarnation, pid, st[0] if st else "X", st[1] if st else -1]
+    return json.dumps({"seq": seq, "ranks": ranks})
+
+
+@dataclass
+class _Node:
+    seq: int = -1
+    changed: float = 0.0
+    ranks: dict[str, list] = field(default_factory=dict)
+
+
+class NodeWatch:
+    """The coordinator's view of the agents' reports (fed by `update`, asked by `verdict`)."""
+
+    def __init__(self, agent_timeout_s: float):
+        self.agent_timeout_s = agent_timeout_s
+        self.nodes: dict[int, _Node] = {}
+        self.node_of: dict[int, int] = {}  # rank -> node, from the reports
+
+    def update(self, node: int, raw: bytes | str, now: float) -> None:
+        report = json.loads(raw)
+        st = self.nodes.setdefault(node, _Node())
+        if report["seq"] != st.seq:
+            st.seq, st.changed, st.ranks = report["seq"], now, report["ranks"]
+            for rank in st.ranks:
+                self.node_of[int(rank)] = node
+
+    def refresh(self, now: float) -> None:
+        """Forget the ages seen so far (the coordinator itself was paused or just restarted)."""
+        for st in self.nodes.values():
+            st.changed = now
+
+    def verdict(self, rank: int, incarnation: int, now: float) -> tuple[Verdict, str]:
+        """What the agent's evidence says of `rank`'s current incarnation, with a reason."""
+        node = self.node_of.get(rank)
+        if node is None:
+            return Verdict.UNKNOWN, "no agent reports on it"
+        st = self.nodes[node]
+        age = now - st.changed
+        if age > self.agent_timeout_s:
+            return Verdict.GONE, f"its node's agent is silent too ({age:.1f} s)"
+        entry = st.ranks.get(str(rank))
+        if entry is None or entry[0] > incarnation:
+            return Verdict.GONE, "its agent no longer runs this incarnation"
+        if entry[0] < incarnation:
+            return Verdict.UNKNOWN, "its agent has not reported this incarnation yet"
+        state = entry[2]
+        if state in GONE_STATES:
+            return Verdict.GONE, f"process {entry[1]} is in state {state}"
+        return Verdict.SLOW, f"process {entry[1]} is alive (state {state})"

@@ -1,0 +1,150 @@
+"""`mecefo-coordinator`: the job's control plane on the head node.
+
+It serves the job's `TCPStore` (torch's C++ server, in this process) and runs the membership
+authority, `megatron_mecefo.failover.coordinator`, as a child process that it restarts when it dies.
+The coordinator keeps all of its state in the store, so a restarted one rebuilds membership from it
+while the trainers go on with the current generation (they only ever talk to the store). This
+process runs no decision logic of its own: losing it is losing the store (a head-node loss), after
+which every trainer exits COORDINATOR_LOST instead of hanging.
+
+    mecefo-coordinator --world-size W [--port P] [--port-file F] [detector flags ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.coordinator import add_detector_flags, detector_argv, detector_config
+
+RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
+"""Delay before the n-th consecutive restart of a coordinator that died young (< 30 s old)."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="mecefo-coordinator",
+        description="Serve the failover store and keep the membership coordinator running "
+        "(one per job, head node).",
+    )
+    p.add_argument("--world-size", type=int, required=True, help="trainer processes in the job")
+    p.add_argument("--host", default="0.0.0.0", help="listen address")
+    p.add_argument("--port", type=int, default=0, help="listen port (0: a free one)")
+    p.add_argument("--port-file", help="write the chosen port here once listening")
+    add_detector_flags(p)
+    return p.parse_args(argv)
+
+
+def _coordinator_cmd(args: argparse.Namespace, port: int) -> list[str]:
+    """The child's command: the same detector settings, the store as a client."""
+    return [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.failover.coordinator",
+        "--store",
+        f"127.0.0.1:{port}",
+        "--world-size",
+        str(args.world_size),
+        *detector_argv(args),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    args = parse_args(argv)
+    try:
+        detector_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    store = dist.TCPStore(
+        args.host,
+        args.port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=30),
+        use_libuv=True,
+    )
+    if args.port_file:
+        tmp = Path(args.port_file + ".tmp")
+        tmp.write_text(str(store.port))
+        tmp.replace(args.port_file)
+    print(f"[coordinator] serving on port {store.port} for {args.world_size} ranks", flush=True)
+    stop = {"flag": False}
+
+    def _stop(signum, frame):
+        stop["flag"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    cmd = _coordinator_cmd(args, store.port)
+    child, started, restarts = _start(cmd), time.monotonic(), 0
+    agents_seen, parent = False, os.getppid()
+    code = 0
+    try:
+        while not stop["flag"] and os.getppid() == parent:  # never outlive the launcher
+            rc = child.poll()
+            finished = store.check([keys.DONE]) or store.check([keys.ABORT])
+            if rc is not None:
+                if rc == 0 or finished:
+                    code = 8 if store.check([keys.ABORT]) else 0
+                    if rc == 0:
+                        break
+                else:
+                    restarts = restarts + 1 if time.monotonic() - started < 30 else 1
+                    how = f"signal {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
+                    print(
+                        f"[coordinator] the membership coordinator died ({how}); restarting it "
+                        f"(restart {restarts}); the trainers keep the current generation",
+                        flush=True,
+                    )
+                    keys.post_event(
+                        store,
+                        "coordinator_restart",
+                        step=keys.get_int(store, keys.JOB_STEP, 0),
+                        dp_rank=None,
+                        detail=f"died ({how})",
+                    )
+                    time.sleep(RESTART_BACKOFF_S[min(restarts, len(RESTART_BACKOFF_S)) - 1])
+                    child, started = _start(cmd), time.monotonic()
+            active = keys.get_int(store, keys.AGENTS_ACTIVE, 0)
+            agents_seen = agents_seen or active > 0
+            if agents_seen and active <= 0:
+                break  # every agent is gone: nothing left to coordinate
+            time.sleep(0.1)
+    finally:
+        _stop_child(child)
+    if store.check([keys.ABORT]):
+        code = 8
+    return code
+
+
+def _start(cmd: list[str]) -> subprocess.Popen:
+    from megatron_mecefo.failover.lifecycle import die_with_parent
+
+    return subprocess.Popen(cmd, preexec_fn=die_with_parent)
+
+
+def _stop_child(child: subprocess.Popen) -> None:
+    """Let the coordinator drain its last events (it exits once every agent left), then stop."""
+    try:
+        child.wait(5)
+    except subprocess.TimeoutExpired:
+        child.terminate()
+        try:
+            child.wait(5)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

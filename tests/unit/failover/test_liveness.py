@@ -1,0 +1,195 @@
+"""Telling slow from gone, and a coordinator that takes over from a dead one: the agents' node
+reports (`liveness.py`) and `Coordinator.restore`, on a real in-process TCPStore."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.coordinator import Coordinator
+from megatron_mecefo.failover.liveness import NodeWatch, Verdict, node_key, node_report, proc_state
+from megatron_mecefo.failover.manager import posted_events
+from tests.unit.failover.test_coordinator import make, members, register, run_ticks
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def report(state: str, inc: int = 0, seq: int = 1) -> str:
+    return json.dumps({"seq": seq, "ranks": {"2": [inc, 1234, state, 10]}})
+
+
+def test_proc_state_reads_the_kernel():
+    assert proc_state(os.getpid())[0] in "RS"
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while proc_state(child.pid)[0] != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc_state(child.pid)[0] == "T"
+        raw = json.loads(node_report(7, {5: (3, child.pid)}))
+        assert raw == {"seq": 7, "ranks": {"5": [3, child.pid, "T", raw["ranks"]["5"][3]]}}
+    finally:
+        child.kill()
+        child.wait()
+    assert proc_state(child.pid) is None
+    assert json.loads(node_report(1, {5: (0, child.pid)}))["ranks"]["5"][2] == "X"
+
+
+@pytest.mark.parametrize(
+    "state, inc, expected",
+    [
+        ("R", 0, Verdict.SLOW),
+        ("S", 0, Verdict.SLOW),
+        ("D", 0, Verdict.SLOW),
+        ("T", 0, Verdict.GONE),
+        ("Z", 0, Verdict.GONE),
+        ("X", 0, Verdict.GONE),
+        ("R", 1, Verdict.GONE),
+    ],  # the agent already runs a newer incarnation
+)
+def test_verdicts(state, inc, expected):
+    watch = NodeWatch(agent_timeout_s=1.0)
+    watch.update(0, report(state, inc), now=100.0)
+    assert watch.verdict(2, 0, now=100.5)[0] is expected
+    assert watch.verdict(3, 0, now=100.5)[0] is Verdict.UNKNOWN  # nobody reports rank 3
+
+
+def test_a_silent_agent_means_its_ranks_are_gone():
+    watch = NodeWatch(agent_timeout_s=1.0)
+    watch.update(0, report("R"), now=100.0)
+    watch.update(0, report("R"), now=101.5)  # same seq: the agent did not move
+    assert watch.verdict(2, 0, now=101.5)[0] is Verdict.GONE
+    watch.refresh(now=101.5)  # the coordinator was paused: ages restart
+    assert watch.verdict(2, 0, now=101.6)[0] is Verdict.SLOW
+
+
+def _with_agent(store, state: str, ranks=range(4)):
+    seq = keys.get_int(store, "test/seq") + 1
+    store.set("test/seq", str(seq))
+    store.set(
+        node_key(0),
+        json.dumps(
+            {"seq": seq, "ranks": {str(r): [0, 1, state if r == 2 else "S", 1] for r in ranks}}
+        ),
+    )
+
+
+def _tick_with_agent(c, store, state, seconds, beating=(0, 1, 3)):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        _with_agent(store, state)
+        run_ticks(c, store, beating=beating, seconds=0.05)
+
+
+def _register_on_node(store):
+    for r in range(4):
+        register(store, r)
+        reg = json.loads(store.get(keys.registration(r)))
+        store.set(keys.registration(r), json.dumps({**reg, "node": 0}))
+    store.add(keys.REG_SEQ, 1)
+
+
+def test_silent_but_running_rank_is_slow_until_the_hard_timeout(store):
+    c = make(store, heartbeat_timeout_s=0.3, heartbeat_hard_timeout_s=1.2)
+    _register_on_node(store)
+    c.tick()
+    _tick_with_agent(c, store, "R", 0.9)
+    assert members(store) == (1, [0, 1, 2, 3])  # silent 0.9 s > soft 0.3 s, but alive
+    _tick_with_agent(c, store, "R", 0.6)
+    assert members(store) == (2, [0, 1, 3])  # past the hard timeout
+    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    assert "alive (state R)" in fail["detail"]
+
+
+def test_silent_and_stopped_rank_is_dead_at_the_soft_timeout(store):
+    c = make(store, heartbeat_timeout_s=0.3, heartbeat_hard_timeout_s=30)
+    _register_on_node(store)
+    c.tick()
+    _tick_with_agent(c, store, "T", 0.6)
+    assert members(store) == (2, [0, 1, 3])
+    assert "state T" in next(e for e in posted_events(store) if e["type"] == "failure")["detail"]
+
+
+def test_silent_rank_whose_agent_is_silent_too_is_dead(store):
+    c = make(store, heartbeat_timeout_s=0.3, heartbeat_hard_timeout_s=30, agent_timeout_s=0.2)
+    _register_on_node(store)
+    _with_agent(store, "R")
+    c.tick()
+    run_ticks(c, store, beating=(0, 1, 3), seconds=0.6)  # the agent stopped reporting
+    assert members(store) == (2, [0, 1, 3])
+
+
+def test_a_paused_coordinator_does_not_blame_the_ranks(store):
+    c = make(store, heartbeat_timeout_s=0.3)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    time.sleep(1.3)  # neither the coordinator nor the ranks' heartbeats ran (a starved host)
+    c.tick()  # it wakes up first and sees heartbeats "silent" for 1.3 s
+    c.tick()
+    assert members(store) == (1, [0, 1, 2, 3])
+    run_ticks(c, store, beating=range(4), seconds=0.2)
+    assert members(store) == (1, [0, 1, 2, 3])
+    assert not store.check([keys.ABORT])
+    assert not [e for e in posted_events(store) if e["type"] == "failure"]
+
+
+def test_restored_coordinator_goes_on_without_repeating_events(store, tmp_path):
+    first = make(store)
+    first.restore()
+    for r in range(4):
+        register(store, r)
+    store.set(keys.RUN_DIR, f"{tmp_path}|{time.time()}")
+    first.tick()
+    keys.report_dead(store, 2, 0)
+    first.tick()
+    first.close()  # SIGKILL in real life; the file holds what it wrote
+    assert members(store) == (2, [0, 1, 3])
+    second = make(store)
+    second.restore()
+    assert (second.gen, second.members, second.epoch) == (2, (0, 1, 3), 2)
+    assert first.superseded() and not second.superseded()
+    register(store, 2, inc=1)  # the agent restarted it; it joins the restored coordinator
+    run_ticks(second, store, beating=range(4), seconds=0.2)
+    assert members(store) == (3, [0, 1, 2, 3])
+    second.close()
+    rows = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [r["type"] for r in rows].count("failure") == 1
+    assert [r["seq"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_restore_removes_a_member_that_restarted_while_no_coordinator_ran(store):
+    first = make(store)
+    first.restore()
+    for r in range(4):
+        register(store, r)
+    first.tick()
+    assert members(store) == (1, [0, 1, 2, 3])
+    register(store, 1, inc=1)  # rank 1 died and was restarted while the coordinator was down
+    second = make(store)
+    second.restore()
+    run_ticks(second, store, beating=range(4), seconds=0.2)
+    gens = [json.loads(store.get(keys.gen_record(g))) for g in (2, 3)]
+    assert gens[0]["members"] == [0, 2, 3] and gens[1]["members"] == [0, 1, 2, 3]
+    assert gens[1]["incarnations"]["1"] == 1
+    assert keys.get_int(store, keys.evict(1), -1) == 0  # the dead one, never the new one
+    fails = [e for e in posted_events(store) if e["type"] == "failure"]
+    assert [f["ranks"] for f in fails] == [[1]]
+
+
+def test_restart_keeps_the_start_deadline(store):
+    first = make(store, start_timeout_s=0.5)
+    first.restore()
+    time.sleep(0.6)
+    second = make(store, start_timeout_s=0.5)
+    second.restore()
+    second.tick()  # no rank registered within 0.5 s of the FIRST start: abort, not a new clock
+    assert store.check([keys.ABORT])
+    assert isinstance(second, Coordinator)

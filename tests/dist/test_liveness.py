@@ -148,3 +148,54 @@ def test_losing_the_store_ends_every_rank_cleanly(tmp_path, demo_data_dir):
     assert time.monotonic() - killed_at["t"] < 40
     assert "coordinator unreachable" in res.output
     assert not (res.run_dir / "summary.json").exists()  # an aborted run never looks complete
+
+
+def test_zombie_replica_is_fenced_and_rejoins(tmp_path, demo_data_dir):
+    """Rank 2 and its agent are both SIGSTOPped, so the agent can neither report it nor kill it:
+    the coordinator declares rank 2 gone (its agent is silent too) and the others go on. Rank 2
+    is resumed first, a zombie of a dead generation: it must not commit anything, and it exits
+    REJOIN at its next step boundary (fenced). Then the agent resumes, restarts it, and it
+    rejoins. Every micro-batch is committed once and the replicas end identical."""
+    steps = 45
+
+    def zombie(proc, run_dir):
+        _wait_for_steps(proc, run_dir, 4)
+        rank2 = _trainer(proc, 2)
+        agent = proc.pid  # launch() runs mecefo-launch itself
+        os.kill(agent, signal.SIGSTOP)
+        os.kill(rank2.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while "generation 2" not in (run_dir.parent / "run.log").read_text():
+            assert time.monotonic() < deadline, "rank 2 was never removed"
+            time.sleep(0.1)
+        os.kill(rank2.pid, signal.SIGCONT)  # the zombie runs again, its agent still stopped
+        time.sleep(3.0)
+        os.kill(agent, signal.SIGCONT)
+
+    res = launch(tmp_path, demo_data_dir, nproc=3, steps=steps, while_running=zombie)
+    assert "rank 2 (replica 2) lost: no heartbeat" in res.output, res.explain()
+    assert "its node's agent is silent too" in res.output
+    assert "rank 2: replica 2 is not in generation 2 (declared dead)" in res.output
+    assert_recovered(res, steps=steps, replicas=3, world=3, min_rejoins=1)
+
+
+def test_no_false_death_on_a_loaded_machine(tmp_path, demo_data_dir):
+    """A busy loop on every core beside the job, from before start-up (imports, data, model
+    build) to the end, and one real kill: exactly that one rank is declared dead."""
+    import subprocess
+    import sys
+
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(os.cpu_count() or 2)
+    ]
+    try:
+        res = launch(tmp_path, demo_data_dir, nproc=3, steps=14, inject=("kill:1:6:2",))
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    fo = assert_recovered(res, steps=14, replicas=3, world=3, min_rejoins=1)
+    failures = [e for e in res.events() if e["type"] == "failure"]
+    assert [e["ranks"] for e in failures] == [[1]], failures
+    assert fo["failures"] == 1

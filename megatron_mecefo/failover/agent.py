@@ -86,14 +86,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="extra flag for mecefo-coordinator (repeatable), e.g. --coordinator-arg=--grace-s=0.5",
     )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        default=env("MECEFO_STANDBY", "") == "1",
+        help="a spare node: run no rank, keep warm processes, and take over the ranks of a lost "
+        "node when the coordinator assigns one ($MECEFO_STANDBY=1)",
+    )
     p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then mecefo-train arguments")
     args = p.parse_args(argv)
     if args.trainer_args and args.trainer_args[0] == "--":
         args.trainer_args = args.trainer_args[1:]
-    if args.nproc_per_node < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        p.error("need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes")
-    if args.node_rank > 0 and not args.coordinator:
-        p.error("nodes other than 0 need --coordinator HOST:PORT (or MECEFO_COORDINATOR_ADDR)")
+    if args.nproc_per_node < 1 or args.nnodes < 1 or args.node_rank < 0:
+        p.error("need --nproc-per-node >= 1, --nnodes >= 1 and --node-rank >= 0")
+    if args.node_rank >= args.nnodes and not args.standby:
+        p.error(
+            f"--node-rank {args.node_rank} is not one of the {args.nnodes} nodes; "
+            "pass --standby for a spare node"
+        )
+    if (args.node_rank > 0 or args.standby) and not args.coordinator:
+        p.error(
+            "nodes other than 0 and standbys need --coordinator HOST:PORT "
+            "(or MECEFO_COORDINATOR_ADDR)"
+        )
     return args
 
 
@@ -104,8 +119,11 @@ class Agent:
         self.args = args
         self.address = address
         self.world = args.nnodes * args.nproc_per_node
-        self.ranks = [args.node_rank * args.nproc_per_node + i for i in range(args.nproc_per_node)]
-        self.incarnation = {r: 0 for r in self.ranks}
+        self.node: int | None = None  # the node whose ranks this agent runs (None: a standby)
+        self.ranks: list[int] = []
+        self.incarnation: dict[int, int] = {}
+        self.snapshot_dir: Path | None = None
+        self.smp_cmd: list[str] | None = None
         self.procs: dict[int, subprocess.Popen] = {}
         self.restart_at: dict[int, tuple[float, int]] = {}  # rank -> (not before, job step)
         self.finished: set[int] = set()
@@ -113,13 +131,44 @@ class Agent:
         self.spares: list[subprocess.Popen] = []
         self.evicted: set[int] = set()  # ranks whose current incarnation was evicted
         self.stop_reason: str | None = None  # set by SIGUSR1; posted to the store once
-        self.snapshot_dir, self.smp_cmd = snapshot_process_command(args, address, self.ranks)
         self.smp: subprocess.Popen | None = None
         self.preempted = False  # a rank exited PREEMPTED (stopped on request after a checkpoint)
         self.report_seq = 0
+        self.agent_id = self.store.add(keys.AGENT_IDS, 1)
+        if not args.standby:
+            node = args.node_rank
+            owner = self.store.compare_set(keys.node_owner(node), "", str(self.agent_id))
+            if owner.decode() == str(self.agent_id):
+                self._take_node(node, adopted=False)
+            else:  # a lost node that came back: a standby took its ranks
+                self.log(f"node {node} is run by agent {owner.decode()} now; standing by")
 
     def log(self, msg: str) -> None:
-        print(f"[agent {self.args.node_rank}] {msg}", flush=True)
+        who = f"{self.node}" if self.node is not None else f"standby {self.args.node_rank}"
+        print(f"[agent {who}] {msg}", flush=True)
+
+    def _take_node(self, node: int, *, adopted: bool) -> None:
+        """Run `node`'s ranks from now on. An adopted node's ranks start with incarnations newer
+        than any the store has seen for them, so they rejoin like restarted ranks."""
+        self.node = node
+        n = self.args.nproc_per_node
+        self.ranks = [node * n + i for i in range(n)]
+        self.incarnation = {r: self._next_incarnation(r) if adopted else 0 for r in self.ranks}
+        self.snapshot_dir, self.smp_cmd = snapshot_process_command(
+            self.args, self.address, self.ranks, node
+        )
+
+    def _next_incarnation(self, rank: int) -> int:
+        seen = [keys.get_int(self.store, keys.evict(rank), -1)]
+        if self.store.check([keys.registration(rank)]):
+            seen.append(int(json.loads(self.store.get(keys.registration(rank)))["incarnation"]))
+        return max(seen) + 1
+
+    def _start_node(self) -> None:
+        self._start_smp()
+        for rank in self.ranks:
+            self.spawn(rank)
+        self._top_up_spares()
 
     def _rank_env(self, rank: int) -> dict[str, str]:
         return {
@@ -129,7 +178,7 @@ class Agent:
             "LOCAL_WORLD_SIZE": str(self.args.nproc_per_node),
             keys.COORDINATOR_ENV: self.address,
             keys.INCARNATION_ENV: str(self.incarnation[rank]),
-            keys.NODE_RANK_ENV: str(self.args.node_rank),
+            keys.NODE_RANK_ENV: str(self.node),
             **(
                 {NODE_DIR_ENV: str(self.snapshot_dir), SMP_ENV: "1"}
                 if self.smp_cmd is not None
@@ -158,7 +207,10 @@ class Agent:
         self.spares = [p for p in self.spares if p.poll() is None]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        while len(self.spares) < self.args.warm_spares:
+        want = self.args.warm_spares
+        if self.node is None:  # a standby starts a whole node at once
+            want = max(want, self.args.nproc_per_node)
+        while len(self.spares) < want:
             self.spares.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "megatron_mecefo.failover.spare"],
@@ -173,10 +225,10 @@ class Agent:
     def run(self) -> int:
         self.store.add(keys.AGENTS_ACTIVE, 1)
         try:
-            self._start_smp()
-            for rank in self.ranks:
-                self.spawn(rank)
-            self._top_up_spares()
+            if self.node is not None:
+                self._start_node()
+            else:
+                self._top_up_spares()
             return self._watch()
         finally:
             self._stop_children()
@@ -187,9 +239,9 @@ class Agent:
 
     def _watch(self) -> int:
         last_ok = time.monotonic()
-        while len(self.finished) < len(self.ranks):
+        while self.node is None or len(self.finished) < len(self.ranks):
             try:
-                code = self._tick()
+                code = self._tick() if self.node is not None else self._standby_tick()
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - store unreachable
                 if time.monotonic() - last_ok > 10.0:
@@ -208,8 +260,11 @@ class Agent:
     def _tick(self) -> int | None:
         if self.stop_reason is not None and not self.store.check([keys.STOP]):
             self.log(f"stop requested ({self.stop_reason}): ranks checkpoint and stop")
-            self.store.set(keys.STOP, f"node {self.args.node_rank}: {self.stop_reason}")
+            self.store.set(keys.STOP, f"node {self.node}: {self.stop_reason}")
         done = self.store.check([keys.DONE]) or self.store.check([keys.STOP])
+        if self.store.get(keys.node_owner(self.node)).decode() != str(self.agent_id):
+            self._hand_over()
+            return None
         self._report_liveness()
         if self.smp is not None and self.smp.poll() is not None and not done:
             self.log(f"the snapshot process exited ({self.smp.returncode}); restarting it")
@@ -246,7 +301,41 @@ class Agent:
         """One key per node: what the kernel says of each rank (see `liveness.py`)."""
         self.report_seq += 1
         procs = {r: (self.incarnation[r], p.pid) for r, p in self.procs.items()}
-        self.store.set(node_key(self.args.node_rank), node_report(self.report_seq, procs))
+        seq = f"{self.agent_id}:{self.report_seq}"
+        self.store.set(node_key(self.node), node_report(seq, procs))
+
+    def _standby_tick(self) -> int | None:
+        """A standby: beat, and take over the node the coordinator assigns (if any)."""
+        if self.store.check([keys.ABORT]):
+            return int(ExitCode.JOB_ABORTED)
+        if self.store.check([keys.DONE]):
+            return int(ExitCode.OK)
+        if self.store.check([keys.STOP]):
+            return int(ExitCode.PREEMPTED)
+        self.report_seq += 1
+        self.store.set(keys.standby(self.agent_id), json.dumps({"seq": self.report_seq}))
+        self._top_up_spares()
+        if self.store.check([keys.assign(self.agent_id)]):
+            node = int(self.store.get(keys.assign(self.agent_id)))
+            self._take_node(node, adopted=True)
+            self.log(f"taking over node {node}: ranks {self.ranks}")
+            self._start_node()
+        return None
+
+    def _hand_over(self) -> None:
+        """The coordinator gave this node to a standby (this agent was silent too long): stop
+        this node's ranks and become a standby, so they never run twice."""
+        owner = self.store.get(keys.node_owner(self.node)).decode()
+        self.log(f"node {self.node} was given to agent {owner}; stopping its ranks, standing by")
+        for proc in list(self.procs.values()):
+            _signal_group(proc, signal.SIGKILL)
+        if self.smp is not None:
+            _signal_group(self.smp, signal.SIGKILL)
+            self.smp = None
+        self.node, self.ranks, self.procs = None, [], {}
+        self.restart_at.clear()
+        self.finished.clear()
+        self.evicted.clear()
 
     def _maybe_evict(self, rank: int, proc: subprocess.Popen) -> None:
         key = keys.evict(rank)
@@ -307,7 +396,7 @@ class Agent:
 
 
 def snapshot_process_command(
-    args: argparse.Namespace, address: str, ranks: list[int]
+    args: argparse.Namespace, address: str, ranks: list[int], node: int
 ) -> tuple[Path | None, list[str] | None]:
     """This node's snapshot folder and `mecefo-smp` command, if the run takes snapshots."""
     from megatron_mecefo.train import load_run_config
@@ -319,7 +408,7 @@ def snapshot_process_command(
         return None, None
     if not cfg.snapshot.enabled:
         return None, None
-    directory = node_dir(cfg.snapshot, cfg.run_dir, node=args.node_rank)
+    directory = node_dir(cfg.snapshot, cfg.run_dir, node=node)
     host = os.environ.get("MECEFO_SMP_HOST") or (
         "127.0.0.1" if args.nnodes == 1 else keys.this_host()
     )
@@ -330,7 +419,7 @@ def snapshot_process_command(
         "--dir",
         str(directory),
         "--node",
-        str(args.node_rank),
+        str(node),
         "--nnodes",
         str(args.nnodes),
         "--ranks",

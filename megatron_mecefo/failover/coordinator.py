@@ -31,6 +31,7 @@ from pathlib import Path
 
 from megatron_mecefo.failover import keys
 from megatron_mecefo.failover.liveness import NodeWatch, Verdict, node_key
+from megatron_mecefo.failover.spares import SparePool
 from megatron_mecefo.metrics.events import EventWriter
 
 PAUSE_S = 1.0
@@ -93,6 +94,7 @@ class _RankState:
     progress_changed: float = 0.0
     evicted_incarnation: int = -1
     slow_since: float | None = None  # silent but alive (logged once per episode)
+    node: int | None = None  # the node (agent) it runs on, from its registration
 
 
 class Coordinator:
@@ -124,6 +126,7 @@ class Coordinator:
         self._recovery: dict | None = None
         self._recover_failure_epoch: float | None = None
         self.nodes = NodeWatch(cfg.agent_timeout_s)
+        self.spares = SparePool(store, cfg.agent_timeout_s, log=log)
         self._node_ids: set[int] = set()
         self._last_tick: float | None = None
         self._stale_inc: dict[int, int] = {}  # rank -> a dead incarnation still listed a member
@@ -151,6 +154,7 @@ class Coordinator:
         self._read_registrations()
         if self._ticks % 2 == 0 or self.gen == 0:
             self._read_heartbeats(now)
+            self.spares.read(now)
         if self.aborted or self.store.check([keys.DONE]):
             self._drain_events()  # finished: exits are not failures any more
             return
@@ -161,6 +165,7 @@ class Coordinator:
             self._detect(now)
             self._read_dead_reports()
             self._decide(now)
+            self._replace_lost_nodes(now)
         self._drain_events()
 
     def _read_registrations(self) -> None:
@@ -174,7 +179,10 @@ class Coordinator:
                 continue
             reg = json.loads(self.store.get(key))
             if "node" in reg:
-                self._node_ids.add(int(reg["node"]))
+                st.node = int(reg["node"])
+                self._node_ids.add(st.node)
+            if reg["incarnation"] > st.incarnation >= 0:
+                self._mark_replaced(rank, st.incarnation, reg["incarnation"])
             if reg["incarnation"] != st.incarnation:
                 st.incarnation = reg["incarnation"]
                 st.hb_value, st.hb_changed = -1, time.monotonic()
@@ -182,6 +190,36 @@ class Coordinator:
                 self.tp = int(reg["tp"])
                 if self.world % self.tp:
                     self._abort(f"world size {self.world} is not divisible by TP {self.tp}")
+
+    def _mark_replaced(self, rank: int, old: int, new: int) -> None:
+        """A member rank re-registered: its old incarnation is gone even if nobody reported it
+        (a race with the death report, or a node taken over by a standby while it still ran)."""
+        if self.gen == 0 or rank not in self._member_ranks():
+            return
+        if self.ranks[rank].evicted_incarnation >= old:
+            return
+        if rank in self.pending:  # already detected: evict the old one, never the new one
+            self._stale_inc.setdefault(rank, old)
+            return
+        self._stale_inc[rank] = old
+        reported_inc, epoch = self.reported.get(rank, (-1, 0.0))
+        failed_at = epoch if reported_inc == old else time.time()
+        self.pending[rank] = (failed_at, f"replaced by incarnation {new}")
+        self.first_detection = self.first_detection or time.monotonic()
+
+    def _replace_lost_nodes(self, now: float) -> None:
+        by_node: dict[int, dict[int, int]] = {}
+        for rank, st in self.ranks.items():
+            if st.node is not None:
+                by_node.setdefault(st.node, {})[rank] = st.incarnation
+
+        def full_strength(node: int, at_loss: dict[int, int]) -> bool:
+            return all(
+                r // self.tp in self.members and self.ranks[r].incarnation > inc
+                for r, inc in at_loss.items()
+            )
+
+        self.spares.tick(now, self.nodes, by_node, full_strength, self.job_step)
 
     def _registered(self) -> list[int]:
         return [r for r, st in self.ranks.items() if st.incarnation >= 0]
@@ -267,7 +305,7 @@ class Coordinator:
         if silent <= self.cfg.heartbeat_timeout_s:
             st.slow_since = None
             return None
-        verdict, why = self.nodes.verdict(rank, st.incarnation, now)
+        verdict, why = self.nodes.verdict(rank, st.incarnation, now, silent_since=st.hb_changed)
         if verdict is Verdict.SLOW and silent <= self.cfg.heartbeat_hard_timeout_s:
             if st.slow_since is None:
                 st.slow_since = now
@@ -465,6 +503,7 @@ class Coordinator:
         for rank, st in self.ranks.items():
             st.evicted_incarnation = keys.get_int(self.store, keys.evict(rank), -1)
             st.hb_changed = st.progress_changed = now
+        self.spares.restore(self._node_ids)
         self.gen = keys.get_int(self.store, keys.GEN)
         if self.gen == 0:
             return

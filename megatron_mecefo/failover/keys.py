@@ -52,6 +52,30 @@ NODE_RANK_ENV = "MECEFO_NODE_RANK"
 """The node (agent) a trainer runs on, set by the agent; in the registration as `node`."""
 
 
+AGENT_IDS = "agents/ids"
+"""Counter handing each node agent a job-unique id (1-based) when it starts."""
+
+
+def node_owner(node: int) -> str:
+    """Id of the agent that runs `node` now (a standby's once it replaced the node)."""
+    return f"node_owner/{node}"
+
+
+def standby(agent_id: int) -> str:
+    """JSON {"seq": ..} bumped by a standby agent (no ranks) every tick: it is alive and free."""
+    return f"standby/{agent_id}"
+
+
+def assign(agent_id: int) -> str:
+    """The node (int as text) the coordinator gives to standby agent `agent_id`."""
+    return f"assign/{agent_id}"
+
+
+def replacement(node: int) -> str:
+    """JSON {"standby", "failure_epoch_s"}: a lost node being replaced (coordinator restarts)."""
+    return f"replace/{node}"
+
+
 def gen_record(gen: int) -> str:
     """JSON {members, removed, added, reason, time}: replicas of generation `gen`."""
     return f"gen/{gen}"

@@ -26,6 +26,11 @@ GONE_STATES = frozenset("TtZX")
 """/proc states of a process that will not beat again by itself: stopped, traced, zombie, dead."""
 
 
+FRESH_MARGIN_S = 0.5
+"""An agent report vouches for a silent rank only if made this long after the rank fell silent
+(agents report every 0.1 s; the margin absorbs the coordinator's read period)."""
+
+
 class Verdict(enum.Enum):
     GONE = "gone"
     SLOW = "slow"
@@ -82,13 +87,22 @@ class NodeWatch:
             for rank in st.ranks:
                 self.node_of[int(rank)] = node
 
+    def silent_s(self, node: int, now: float) -> float | None:
+        """Seconds since `node`'s agent last moved its report (None: it never reported)."""
+        st = self.nodes.get(node)
+        return None if st is None else now - st.changed
+
     def refresh(self, now: float) -> None:
         """Forget the ages seen so far (the coordinator itself was paused or just restarted)."""
         for st in self.nodes.values():
             st.changed = now
 
-    def verdict(self, rank: int, incarnation: int, now: float) -> tuple[Verdict, str]:
-        """What the agent's evidence says of `rank`'s current incarnation, with a reason."""
+    def verdict(
+        self, rank: int, incarnation: int, now: float, *, silent_since: float = float("-inf")
+    ) -> tuple[Verdict, str]:
+        """What the agent's evidence says of `rank`'s current incarnation, with a reason. Only a
+        report the agent made after the rank fell silent (`silent_since`) can vouch for it: a
+        node that died whole leaves a last report that still shows its ranks alive."""
         node = self.node_of.get(rank)
         if node is None:
             return Verdict.UNKNOWN, "no agent reports on it"
@@ -104,4 +118,6 @@ class NodeWatch:
         state = entry[2]
         if state in GONE_STATES:
             return Verdict.GONE, f"process {entry[1]} is in state {state}"
+        if st.changed < silent_since + FRESH_MARGIN_S:
+            return Verdict.UNKNOWN, f"its agent has not reported since it fell silent ({age:.1f} s)"
         return Verdict.SLOW, f"process {entry[1]} is alive (state {state})"

@@ -4,7 +4,7 @@ The process that handles failures writes `run_dir/events.jsonl` through `EventWr
 simulator (`mecefo-sim replay`, `megatron_mecefo.sim.events`) reads it back with `read_events`.
 One JSON object per line. Required fields:
   type        one of failure, detection, regroup, takeover, rejoin, restart, checkpoint, abort,
-              recovery, coordinator_restart
+              recovery, coordinator_restart, node_lost, node_replaced
   step        training step at which the event happened (int >= 0)
   dp_rank     DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint, ...);
               failure and rejoin events always name one
@@ -44,6 +44,8 @@ EVENT_TYPES = (
     "abort",
     "recovery",
     "coordinator_restart",
+    "node_lost",
+    "node_replaced",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

@@ -35,9 +35,9 @@ def _wait_for_steps(proc, run_dir, n: int, limit_s: float = 180) -> None:
 
 
 def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path, demo_data_dir):
-    """Kill the membership coordinator at step ~4; a rank is killed later (step 12): the restarted
+    """Kill the membership coordinator at step ~4; a rank is killed later (step 10): the restarted
     coordinator detects it, removes and re-admits it. Every invariant of a normal failover holds."""
-    steps = 20
+    steps = 32
     killed = {}
 
     def kill_coordinator(proc, run_dir):
@@ -52,7 +52,7 @@ def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path
         demo_data_dir,
         nproc=3,
         steps=steps,
-        inject=("kill:2:12:2",),
+        inject=("kill:2:10:2",),
         while_running=kill_coordinator,
     )
     assert res.returncode == 0, res.explain()
@@ -156,7 +156,7 @@ def test_zombie_replica_is_fenced_and_rejoins(tmp_path, demo_data_dir):
     is resumed first, a zombie of a dead generation: it must not commit anything, and it exits
     REJOIN at its next step boundary (fenced). Then the agent resumes, restarts it, and it
     rejoins. Every micro-batch is committed once and the replicas end identical."""
-    steps = 45
+    steps = 90
 
     def zombie(proc, run_dir):
         _wait_for_steps(proc, run_dir, 4)
@@ -169,12 +169,12 @@ def test_zombie_replica_is_fenced_and_rejoins(tmp_path, demo_data_dir):
             assert time.monotonic() < deadline, "rank 2 was never removed"
             time.sleep(0.1)
         os.kill(rank2.pid, signal.SIGCONT)  # the zombie runs again, its agent still stopped
-        time.sleep(3.0)
+        time.sleep(1.5)
         os.kill(agent, signal.SIGCONT)
 
     res = launch(tmp_path, demo_data_dir, nproc=3, steps=steps, while_running=zombie)
     assert "rank 2 (replica 2) lost: no heartbeat" in res.output, res.explain()
-    assert "its node's agent is silent too" in res.output
+    assert "its agent has not reported since it fell silent" in res.output
     assert "rank 2: replica 2 is not in generation 2 (declared dead)" in res.output
     assert_recovered(res, steps=steps, replicas=3, world=3, min_rejoins=1)
 
@@ -190,12 +190,12 @@ def test_no_false_death_on_a_loaded_machine(tmp_path, demo_data_dir):
         for _ in range(os.cpu_count() or 2)
     ]
     try:
-        res = launch(tmp_path, demo_data_dir, nproc=3, steps=14, inject=("kill:1:6:2",))
+        res = launch(tmp_path, demo_data_dir, nproc=3, steps=24, inject=("kill:1:6:2",))
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    fo = assert_recovered(res, steps=14, replicas=3, world=3, min_rejoins=1)
+    fo = assert_recovered(res, steps=24, replicas=3, world=3, min_rejoins=1)
     failures = [e for e in res.events() if e["type"] == "failure"]
     assert [e["ranks"] for e in failures] == [[1]], failures
     assert fo["failures"] == 1

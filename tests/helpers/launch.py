@@ -24,6 +24,8 @@ class LaunchResult:
     output: str
     run_dir: Path
     wall_s: float
+    node_codes: list[int] | None = None
+    """launch_nodes: each agent's exit code (working nodes, then standbys)."""
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
@@ -164,21 +166,25 @@ def launch_nodes(
     timeout_s: float = 240,
     name: str = "run",
     while_running: Callable[[list[subprocess.Popen], Path], None] | None = None,
+    standby: int = 0,
 ) -> LaunchResult:
     """`nnodes` agents on this machine, each a simulated node (node 0 starts the coordinator on
-    a free port); returns node 0's result with every node's output."""
+    a free port), plus `standby` spare agents (`--standby`); returns node 0's result with every
+    node's output and every agent's exit code."""
     run_dir = tmp_path / name
     port = free_port()
     trainer = trainer_args(run_dir, demo_data_dir, steps, inject, overrides)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs, logs = [], []
     start = time.monotonic()
-    for node in range(nnodes):
+    for node in range(nnodes + standby):
         where = (
             ["--coordinator-port", str(port)]
             if node == 0
             else ["--coordinator", f"127.0.0.1:{port}"]
         )
+        if node >= nnodes:
+            where.append("--standby")
         cmd = [
             sys.executable,
             "-m",
@@ -225,6 +231,6 @@ def launch_nodes(
                 _kill_group(proc)
     output = "\n".join(f"--- node {i}\n{p.read_text()}" for i, p in enumerate(logs))
     rc = -9 if codes == [-9] else max(codes, key=abs)
-    if rc == -9:
+    if codes == [-9]:
         output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
-    return LaunchResult(rc, output, run_dir, time.monotonic() - start)
+    return LaunchResult(rc, output, run_dir, time.monotonic() - start, node_codes=codes)

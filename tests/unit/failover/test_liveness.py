@@ -97,12 +97,12 @@ def _register_on_node(store):
 
 
 def test_silent_but_running_rank_is_slow_until_the_hard_timeout(store):
-    c = make(store, heartbeat_timeout_s=0.3, heartbeat_hard_timeout_s=1.2)
+    c = make(store, heartbeat_timeout_s=0.8, heartbeat_hard_timeout_s=2.0)
     _register_on_node(store)
     c.tick()
-    _tick_with_agent(c, store, "R", 0.9)
-    assert members(store) == (1, [0, 1, 2, 3])  # silent 0.9 s > soft 0.3 s, but alive
-    _tick_with_agent(c, store, "R", 0.6)
+    _tick_with_agent(c, store, "R", 1.5)
+    assert members(store) == (1, [0, 1, 2, 3])  # silent 1.5 s > soft 0.8 s, but alive
+    _tick_with_agent(c, store, "R", 0.8)
     assert members(store) == (2, [0, 1, 3])  # past the hard timeout
     fail = next(e for e in posted_events(store) if e["type"] == "failure")
     assert "alive (state R)" in fail["detail"]
@@ -115,6 +115,18 @@ def test_silent_and_stopped_rank_is_dead_at_the_soft_timeout(store):
     _tick_with_agent(c, store, "T", 0.6)
     assert members(store) == (2, [0, 1, 3])
     assert "state T" in next(e for e in posted_events(store) if e["type"] == "failure")["detail"]
+
+
+def test_a_report_from_before_the_silence_does_not_vouch(store):
+    """A node that died whole: its agent's last report still shows the rank running."""
+    c = make(store, heartbeat_timeout_s=0.8, heartbeat_hard_timeout_s=30, agent_timeout_s=5.0)
+    _register_on_node(store)
+    _with_agent(store, "R")
+    c.tick()
+    run_ticks(c, store, beating=(0, 1, 3), seconds=1.0)  # no agent report after the silence
+    assert members(store) == (2, [0, 1, 3])
+    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    assert "has not reported since it fell silent" in fail["detail"]
 
 
 def test_silent_rank_whose_agent_is_silent_too_is_dead(store):

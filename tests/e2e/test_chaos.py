@@ -1,0 +1,63 @@
+"""`tools/chaos.py` end to end: a short fixed-seed soak against real `mecefo-launch` jobs (2
+simulated nodes x 2 ranks, tiny model, 30 steps), every invariant checked by the tool. Only
+schedules the failover core survives today run here (3 jobs: ~2 minutes on this 2-core machine
+when it is quiet, up to ~4 under load); PENDING lists the others, to move into CASES once their
+fixes land (each ~30-60 s more)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CASES = [
+    # seed 0, schedules 1-2 (`--list`): rank 0 (the leader) stopped 0.7 s right after the first
+    # generation formed (before step 0), then node 1's snapshot process killed; rank 3 hit three
+    # times: an exception, a 6.3 s stop (past the 3 s heartbeat timeout: evicted, restarted),
+    # another exception
+    pytest.param("kill,stop,exception,smp_kill", 0, "1,2", id="rank-faults"),
+    # seed 43, schedule 0: the coordinator SIGKILLed right after the first generation formed,
+    # a busy loop on every core for 17 s, rank 2 SIGKILLed under it
+    pytest.param("coordinator_kill,cpu_hog,kill,stop", 43, "0", id="coordinator-and-hog"),
+]
+PENDING = [  # move into CASES once the fix named in the reason has landed
+    pytest.param(
+        "kill,stop,exception,smp_kill", 4, "2", id="leader-restarted",
+        marks=pytest.mark.skip(reason="summary.json job-wide (restarted leader): in progress"),
+    ),
+    pytest.param(
+        "agent_kill,node_loss", 1, "0,1", id="agent-and-node-loss",
+        marks=pytest.mark.skip(reason="processes left when an agent dies: fix in progress"),
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kinds", "seed", "only"), CASES + PENDING)
+def test_chaos_soak_survives(tmp_path, demo_data_dir, kinds, seed, only):
+    out = tmp_path / "chaos"
+    cmd = [
+        sys.executable, "tools/chaos.py", "--seed", str(seed), "--only", only,
+        "--kinds", kinds, "--nodes", "2", "--nproc", "2", "--max-steps", "30",
+        "--out", str(out), "--demo-dir", demo_data_dir, "--job-timeout-s", "240",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=570)
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    results = json.loads((out / "chaos.json").read_text())["results"]
+    assert [r["index"] for r in results] == [int(i) for i in only.split(",")], report
+    for r in results:
+        assert r["violations"] == [], (r["schedule"]["describe"], r["violations"], report)
+        assert r["outcome"].startswith("ok"), report
+        assert all(e["fired"] for e in r["fired"]), r["fired"]  # every fault landed
+        assert not [n for n in r["notes"] if "never fired" in n], r["notes"]
+        if any(f["kind"] in ("kill", "exception") for f in r["schedule"]["faults"]):
+            assert r["events"].get("failure", 0) >= 1, r["events"]
+    assert proc.returncode == 0, report
+    assert "schedules ended acceptably" in proc.stdout

@@ -1,0 +1,330 @@
+"""The chaos soak's pure parts: the schedule generator (reproducible, every kind and awkward moment
+reachable, acceptable exits per schedule) and each invariant check on hand-made run directories
+(a duplicated step, a missing micro-batch, unequal digests, a summary that disagrees with the
+events, an unacceptable exit code, a real leftover process, leftover shared memory). No job runs
+here; tests/e2e/test_chaos.py runs the tool."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_mecefo.failover import chaos_checks as checks
+from megatron_mecefo.failover.chaos import (
+    KINDS,
+    PASSING_TODAY,
+    Fault,
+    Schedule,
+    generate,
+    possible_kinds,
+    schedules,
+)
+
+pytestmark = pytest.mark.timeout(60)
+LAYOUT = dict(nodes=2, nproc=2, max_steps=40)
+
+
+# ---------------------------------------------------------------------------- generator
+
+
+def test_a_schedule_depends_only_on_seed_index_layout_and_kinds():
+    a = generate(7, 3, kinds=KINDS, **LAYOUT)
+    assert a.to_dict() == generate(7, 3, kinds=KINDS, **LAYOUT).to_dict()
+    many = [generate(s, 3, kinds=KINDS, **LAYOUT).describe() for s in range(20)]
+    assert len(set(many)) > 10  # the seed matters
+    # the repro command names everything that decides the schedule
+    assert "--seed 7 --only 3 --nodes 2 --nproc 2 --max-steps 40 --kinds kill," in a.repro()
+
+
+def test_first_faults_cycle_through_the_kinds_and_stay_in_range():
+    plans = schedules(1, 3 * len(KINDS), kinds=KINDS, **LAYOUT)
+    firsts = {p.index % len(KINDS): p for p in plans}
+    for i, kind in enumerate(KINDS):
+        assert any(f.kind == kind for f in firsts[i].faults), (kind, firsts[i].describe())
+    for p in plans:
+        assert 1 <= len(p.faults) <= 3
+        for f in p.faults:
+            assert f.kind in KINDS
+            if f.at == "step":
+                assert 0 <= f.step < p.max_steps, p.describe()
+            if f.rank is not None:
+                assert 0 <= f.rank < p.world
+            if f.node is not None:
+                assert 0 <= f.node < p.nodes
+        claims = [(f.rank, f.step) for f in p.faults if f.by_trainer]
+        assert len(set(claims)) == len(claims), p.describe()  # one injection per (rank, step)
+
+
+def test_kinds_that_need_a_node_or_snapshots_get_them():
+    assert possible_kinds(KINDS, nodes=1) == tuple(
+        k for k in KINDS if k not in ("agent_kill", "node_loss")
+    )
+    with pytest.raises(ValueError, match="none of the kinds"):
+        generate(0, 0, nodes=1, nproc=2, max_steps=40, kinds=("node_loss",))
+    with pytest.raises(ValueError, match="unknown fault kind"):
+        generate(0, 0, kinds=("meteor",), **LAYOUT)
+    for p in schedules(3, 40, kinds=("smp_kill", "kill"), **LAYOUT):
+        if any(f.kind == "smp_kill" for f in p.faults):
+            assert p.snapshot_interval == 1, p.describe()
+    for p in schedules(3, 40, kinds=PASSING_TODAY, nodes=1, nproc=3, max_steps=30):
+        assert all(f.node is None or f.node == 0 for f in p.faults)
+
+
+def test_awkward_moments_are_drawn():
+    plans = schedules(5, 300, kinds=("kill", "stop", "exception"), **LAYOUT)
+    faults = [f for p in plans for f in p.faults]
+    assert any(f.at == "start" for f in faults)  # before step 0
+    assert any(f.at == "rejoin" and f.kind == "kill" for f in faults)  # during a state transfer
+    assert any(f.rank == 0 for f in faults)  # the leader
+    twice = [p for p in plans if len({f.rank for f in p.faults}) < len(p.faults)]
+    assert twice  # the same rank twice
+    holds = [f.hold_s for f in faults if f.kind == "stop"]
+    assert min(holds) < 3.0 < max(holds)  # stops shorter and longer than the heartbeat timeout
+    for p in plans:  # a kill during a rejoin needs an earlier death of another rank
+        for f in p.faults:
+            if f.at == "rejoin":
+                assert any(g.rank != f.rank and g.at != "rejoin" for g in p.faults), p.describe()
+    assert "--inject kill:" in " ".join(a for p in plans for a in p.inject_args())
+
+
+def _schedule(faults, snapshot=0, nodes=1, nproc=2) -> Schedule:
+    return Schedule(
+        seed=0, index=0, nodes=nodes, nproc=nproc, max_steps=30,
+        snapshot_interval=snapshot, faults=faults, kinds=KINDS,
+    )  # fmt: skip
+
+
+def test_acceptable_exits_follow_what_the_design_survives():
+    both = [Fault(kind="kill", step=5, rank=0), Fault(kind="exception", step=7, rank=1)]
+    assert sorted(_schedule(both).acceptable_exits()) == [0, 8]  # every replica may be lost
+    assert sorted(_schedule(both, snapshot=1).acceptable_exits()) == [0]  # recovers in place
+    short = [Fault(kind="kill", step=5, rank=0), Fault(kind="stop", step=7, rank=1, hold_s=1.0)]
+    assert sorted(_schedule(short).acceptable_exits()) == [0]  # a short stop is not a death
+    longer = [Fault(kind="kill", step=5, rank=0), Fault(kind="stop", step=7, rank=1, hold_s=5.0)]
+    assert sorted(_schedule(longer).acceptable_exits()) == [0, 8]
+    node = [Fault(kind="node_loss", step=5, node=1), Fault(kind="kill", step=9, rank=0)]
+    assert 8 in _schedule(node, nodes=2, nproc=1).acceptable_exits()
+    assert _schedule(node, nodes=2, nproc=1).agents_killed() == {1}
+    assert sorted(_schedule([Fault(kind="coordinator_kill", step=3)]).acceptable_exits()) == [0]
+    # the head node (node 0) starts the coordinator: losing it is losing the store
+    head = [Fault(kind="node_loss", step=5, node=0)]
+    assert sorted(_schedule(head, nodes=2).acceptable_exits()) == [6]
+    assert sorted(
+        _schedule([Fault(kind="node_loss", step=5, node=1)], nodes=2).acceptable_exits()
+    ) == [0]
+    agent = [Fault(kind="agent_kill", step=5, node=0)]
+    assert sorted(_schedule(agent, nodes=2).acceptable_exits()) == [0, 6]
+
+
+def test_fault_validation_and_inject_args():
+    with pytest.raises(ValueError):
+        Fault(kind="kill", at="step", rank=0)  # no step
+    with pytest.raises(ValueError):
+        Fault(kind="kill", at="start", step=3, rank=0)
+    s = _schedule(
+        [Fault(kind="exception", step=4, rank=1), Fault(kind="kill", at="rejoin", rank=0)]
+    )
+    assert s.inject_args() == ["--inject", "exception:1:4", "--inject", "kill:0:rejoin"]
+    assert s.describe() == "exception r1@4, kill r0@rejoin"
+
+
+# ---------------------------------------------------------------------------- run-dir checks
+
+
+def _write_jsonl(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _good_run(tmp_path: Path, steps=6, replicas=2, micro=2) -> Path:
+    run = tmp_path / "run"
+    metrics = [
+        {"step": s, "loss": 6.0 - s / 10, "global_microbatches": replicas * micro}
+        for s in range(steps)
+    ]
+    _write_jsonl(run / "metrics.jsonl", metrics)
+    for r in range(replicas):
+        rows = [
+            {"step": s, "replica": r, "inc": 0, "tasks": [[r, m, 0] for m in range(micro)]}
+            for s in range(steps)
+        ]
+        _write_jsonl(run / "audit" / f"tasks_rank{r}.jsonl", rows)
+        digest = {"next_step": steps, "model": "aa", "optimizer": "bb"}
+        (run / "audit" / f"state_rank{r}.json").write_text(json.dumps(digest))
+    events = [
+        {"type": "failure", "step": 2, "dp_rank": 1, "time_s": 1.0, "ranks": [1]},
+        {"type": "rejoin", "step": 3, "dp_rank": 1, "time_s": 2.0, "ranks": [1]},
+    ]
+    _write_jsonl(run / "events.jsonl", events)
+    summary = {
+        "stopped_at": None, "steps": steps, "final_loss": metrics[-1]["loss"],
+        "failover": {"failures": 1, "rejoins": 1, "samples_lost": 0},
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+def test_a_clean_run_passes_every_check(tmp_path):
+    run = _good_run(tmp_path)
+    assert checks.check_metrics(run, 6) == []
+    assert checks.check_audit(run, 6, 2, 2) == []
+    assert checks.check_digests(run, 6, required={0, 1}) == []
+    assert checks.basic_summary_check(run) == []
+    assert checks.check_exits({0: 0, 1: 0}, {0: "finished"}) == []
+    assert checks.check_abort_reason(run, {0: 0}) == []
+
+
+def test_a_duplicated_or_missing_step_in_metrics_is_reported(tmp_path):
+    run = _good_run(tmp_path)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    _write_jsonl(run / "metrics.jsonl", rows[:4] + [rows[3]] + rows[4:])
+    (v,) = checks.check_metrics(run, 6)
+    assert "more than once: 3" in v
+    _write_jsonl(run / "metrics.jsonl", rows[:2] + rows[3:])
+    (v,) = checks.check_metrics(run, 6)
+    assert "never logged: 2" in v
+    assert checks.check_metrics(run, 6, complete=False) == []  # an aborted job ends early
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 9, "loss"\n')
+    assert any("not JSON" in v for v in checks.check_metrics(run, 6, complete=False))
+    assert checks.check_metrics(tmp_path / "nowhere", 6) == ["metrics.jsonl is missing"]
+
+
+def test_a_missing_or_doubled_micro_batch_in_the_audit_is_reported(tmp_path):
+    run = _good_run(tmp_path)
+    path = run / "audit" / "tasks_rank1.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows[4]["tasks"] = rows[4]["tasks"][:1]  # step 4, replica 1, micro-batch 1 never committed
+    _write_jsonl(path, rows)
+    (v,) = checks.check_audit(run, 6, 2, 2)
+    assert "1 micro-batch(es) never committed: (4, 1, 1)" in v
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows[4]["tasks"] = [[1, 0, 0], [1, 1, 0]]
+    rows.insert(3, dict(rows[2]))  # step 2 committed twice by the same incarnation
+    _write_jsonl(path, rows)
+    (v,) = checks.check_audit(run, 6, 2, 2)
+    assert "committed more than once: (2, 1, 0), (2, 1, 1)" in v
+    # the same repeat is no rollback: a recovery only discards an earlier incarnation's rows
+    assert checks.check_audit(run, 6, 2, 2, rolled_back=True) != []
+
+
+def test_a_rank_that_died_right_after_a_commit_leaves_a_gap_not_a_violation(tmp_path):
+    run = _good_run(tmp_path)  # replica 1 fails at step 2 (events)
+    path = run / "audit" / "tasks_rank1.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    _write_jsonl(path, rows[:1] + rows[2:])  # step 1 committed (metrics: 4 of 4), not logged
+    gaps: list[str] = []
+    assert checks.check_audit(run, 6, 2, 2, gaps=gaps) == []
+    (gap,) = gaps
+    assert "(1, 1, 0), (1, 1, 1) committed (metrics: 4 of 4" in gap and "failed at step 2" in gap
+    _write_jsonl(path, rows[:4] + rows[5:])  # step 4: no failure follows: a real loss
+    (v,) = checks.check_audit(run, 6, 2, 2, gaps=gaps)
+    assert "never committed: (4, 1, 0), (4, 1, 1)" in v
+    _write_jsonl(path, rows[:1] + rows[2:])
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics[1]["global_microbatches"] = 2  # the step reduced only half the batch
+    _write_jsonl(run / "metrics.jsonl", metrics)
+    (v,) = checks.check_audit(run, 6, 2, 2, gaps=gaps)
+    assert "never committed: (1, 1, 0), (1, 1, 1)" in v
+
+
+def test_rows_a_recovery_rolled_back_are_not_double_commits(tmp_path):
+    run = _good_run(tmp_path)
+    for r in range(2):  # both replicas lost after committing step 4; recovered from step 3
+        path = run / "audit" / f"tasks_rank{r}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        redo = [{**row, "inc": 1} for row in rows[3:]]
+        _write_jsonl(path, rows[:5] + redo)
+    assert any("more than once" in v for v in checks.check_audit(run, 6, 2, 2))
+    assert checks.check_audit(run, 6, 2, 2, rolled_back=True) == []
+
+
+def test_unequal_digests_and_a_missing_survivor_digest_are_reported(tmp_path):
+    run = _good_run(tmp_path)
+    (run / "audit" / "state_rank1.json").write_text(
+        json.dumps({"next_step": 6, "model": "aa", "optimizer": "cc"})
+    )
+    (v,) = checks.check_digests(run, 6)
+    assert "optimizer states differ" in v
+    (run / "audit" / "state_rank1.json").unlink()
+    assert checks.check_digests(run, 6, required={0}) == []  # rank 1 died: no digest is fine
+    (v,) = checks.check_digests(run, 6, required={0, 1})
+    assert "rank(s) [1] never failed but wrote no final state digest" in v
+    (v,) = checks.check_digests(run, 7, required={0})
+    assert "not at step 7" in v
+
+
+def test_a_summary_that_disagrees_with_events_or_metrics_is_reported(tmp_path):
+    run = _good_run(tmp_path)
+    summary = json.loads((run / "summary.json").read_text())
+    bad = {**summary, "steps": 4, "failover": {**summary["failover"], "failures": 0}}
+    (run / "summary.json").write_text(json.dumps(bad))
+    found = checks.basic_summary_check(run)
+    assert any("steps 4 but metrics.jsonl has 6" in v for v in found), found
+    assert any("failover.failures = 0 but events.jsonl has 1" in v for v in found), found
+    bad = {**summary, "final_loss": 1.0, "failover": {**summary["failover"], "samples_lost": 8}}
+    (run / "summary.json").write_text(json.dumps(bad))
+    found = checks.basic_summary_check(run)
+    assert any("final_loss 1.0" in v for v in found) and any("samples_lost = 8" in v for v in found)
+    (run / "summary.json").unlink()
+    assert "missing" in checks.check_summary(run)[0][0]
+
+
+def test_exit_codes_outside_the_schedules_acceptable_set_are_reported(tmp_path):
+    ok = {0: "finished"}
+    (v,) = checks.check_exits({0: 0, 1: 6}, ok)
+    assert "node 1's agent exited 6 (COORDINATOR_LOST)" in v
+    assert checks.check_exits({0: 8, 1: 8}, {**ok, 8: "every replica lost"}) == []
+    assert "did not exit" in checks.check_exits({0: None}, ok)[0]
+    run = _good_run(tmp_path)
+    (v,) = checks.check_abort_reason(run, {0: 8})  # an 8 needs the every-replica-lost abort
+    assert "without an every-replica-lost abort event" in v
+    with open(run / "events.jsonl", "a") as f:
+        f.write(json.dumps({"type": "abort", "detail": "every replica is lost and ..."}) + "\n")
+    assert checks.check_abort_reason(run, {0: 8}) == []
+
+
+# ---------------------------------------------------------------------------- leftovers
+
+
+def test_a_leftover_process_of_the_job_is_found_and_killed():
+    tag = f"unit-{uuid.uuid4().hex[:8]}"
+    env = {**os.environ, checks.TAG_ENV: tag}
+    mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    other = subprocess.Popen(  # another job's process is not ours
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, checks.TAG_ENV: tag + "x"},
+    )
+    try:
+        deadline = time.monotonic() + 20
+        found = []
+        while not found and time.monotonic() < deadline:
+            found = checks.tagged_processes(tag)
+            time.sleep(0.05)
+        assert [p.pid for p in found] == [mine.pid]
+        assert found[0].ppid == os.getpid()
+        (v,) = checks.check_leftovers(found)
+        assert f"leftover process pid {mine.pid}" in v and "time.sleep(60)" in v
+        checks.kill_processes(found)
+        assert mine.wait(timeout=10) == -9
+        assert checks.tagged_processes(tag) == []  # reaped: gone; a zombie has no environment
+    finally:
+        for p in (mine, other):
+            p.kill()
+            p.wait()
+
+
+def test_leftover_shared_memory_is_reported(tmp_path):
+    folder = tmp_path / "mecefo-0123456789ab"
+    assert checks.check_shm(folder) == [] and checks.check_shm(None) == []
+    (folder / "node0000").mkdir(parents=True)
+    (folder / "node0000" / "rank00000.slot0").write_bytes(b"x")
+    (v,) = checks.check_shm(folder)
+    assert "leftover shared memory" in v and "rank00000.slot0" in v

@@ -1,0 +1,118 @@
+"""`tools/chaos.py`'s runner on stand-in jobs (no trainer starts): a job that never progresses is
+killed at its bound and reported as a hang with nothing left behind; a job whose "agent" exits 0
+but leaves a tagged process behind is reported (and the process killed); a node loss takes every
+process under the node's agent. The agent is a small Python process with the job's tag."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_mecefo.failover import chaos_checks as checks
+from megatron_mecefo.failover.chaos import Fault, Schedule
+
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.timeout(120)
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("chaos_tool", ROOT / "tools/chaos.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["chaos_tool"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+chaos = _load_tool()
+
+# an "agent" that forks a child into its own session (as mecefo-launch does with its ranks),
+# then sleeps (never progresses) or exits at once (leaving the child behind)
+AGENT = """
+import subprocess, sys, time
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def _schedule(faults=(), nodes=1) -> Schedule:
+    return Schedule(
+        seed=0, index=0, nodes=nodes, nproc=1, max_steps=10, snapshot_interval=0,
+        faults=list(faults), kinds=("kill",),
+    )  # fmt: skip
+
+
+@pytest.fixture
+def fake_agents(monkeypatch):
+    """Job.start runs AGENT per node; the store is never reachable."""
+    lives = {}
+
+    def start(job):
+        job.folder.mkdir(parents=True, exist_ok=True)
+        for node in range(job.s.nodes):
+            job.agents[node] = subprocess.Popen(
+                [sys.executable, "-c", AGENT, str(lives.get(node, 0))],
+                env=job.env,
+                start_new_session=True,
+            )
+        time.sleep(1.0)  # let them fork
+
+    monkeypatch.setattr(chaos.Job, "start", start)
+    monkeypatch.setattr(chaos.Probe, "_get", lambda self, key: None)
+    return lives
+
+
+def _args(tmp_path, **kw):
+    args = chaos.parse_args(["--out", str(tmp_path), "--demo-dir", str(tmp_path / "demo")])
+    for k, v in kw.items():
+        setattr(args, k, v)
+    return args
+
+
+def test_a_job_that_never_progresses_is_killed_and_reported_as_a_hang(tmp_path, fake_agents):
+    fake_agents[0] = 300
+    res = chaos.run_schedule(_schedule(), _args(tmp_path, job_timeout_s=3))
+    assert res["violations"][0].startswith("hang: the job ran past its 3 s limit"), res
+    assert res["outcome"] == "FAIL"
+    assert not any("leftover" in v for v in res["violations"]), res  # everything was killed
+    assert checks.tagged_processes(res["tag"]) == []
+    assert res["wall_s"] < 30
+
+
+def test_a_process_left_behind_by_a_finished_job_is_reported_and_killed(
+    tmp_path, fake_agents, monkeypatch
+):
+    monkeypatch.setattr(chaos, "LEFTOVER_GRACE_S", 1.0)
+    fake_agents[0] = 0
+    res = chaos.run_schedule(_schedule(), _args(tmp_path, job_timeout_s=60))
+    left = [v for v in res["violations"] if v.startswith("leftover process")]
+    assert len(left) == 1 and "time.sleep(120)" in left[0], res["violations"]
+    assert res["exit_codes"] == {0: 0}
+    assert checks.tagged_processes(res["tag"]) == []  # and the tool killed it
+
+
+def test_node_loss_kills_the_agent_and_everything_under_it(tmp_path, fake_agents):
+    fake_agents.update({0: 300, 1: 300})
+    s = _schedule([Fault(kind="node_loss", step=0, node=1)], nodes=2)
+    job = chaos.Job(s, tmp_path, _args(tmp_path))
+    try:
+        job.start()
+        faults = chaos.Faults(job, chaos.Probe(job))
+        node1 = job.agents[1].pid
+        under = [p.pid for p in job.processes() if p.ppid == node1]
+        assert len(under) == 1
+        faults.tick(step=0)
+        assert faults.ledger[0]["fired"] and job.killed_agents == {1}
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and under[0] in {p.pid for p in job.processes()}:
+            time.sleep(0.05)
+        alive = {p.pid for p in job.processes()}
+        assert node1 not in alive and under[0] not in alive
+        assert job.agents[0].pid in alive  # the other node is untouched
+    finally:
+        job.kill_all()
+    assert checks.tagged_processes(job.tag) == []

@@ -230,9 +230,10 @@ class FailoverManager(TrainHook):
     def _data_lock(self):
         from megatron_mecefo.data.pipeline import build_dir
 
-        folder = Path(build_dir(self.cfg.data))
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(folder / ".mecefo-build.lock", "a+") as fh:
+        folder = Path(build_dir(self.cfg.data)).absolute()
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        # beside the folder, not in it: the demo corpus refuses a folder holding anything else
+        with open(folder.parent / f".{folder.name}.mecefo-build.lock", "a+") as fh:
             deadline = time.monotonic() + self.fcfg.start_timeout_s
             next_note = time.monotonic() + 30
             while True:

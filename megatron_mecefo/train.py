@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_mecefo.snapshot.hook import SnapshotHook
     from megatron_mecefo.snapshot.paths import node_dir
     from megatron_mecefo.snapshot.recovery import Recovery, agree_min_over_default_group
+    from megatron_mecefo.training import identity as state_identity
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
     from megatron_mecefo.training.run_dir import RunDir
@@ -101,10 +102,14 @@ def run(args: argparse.Namespace) -> int:
     say = print if ctx.is_rank0 else (lambda *a, **k: None)
     log = lambda m: say(m, flush=True)  # noqa: E731
     shm = node_dir(cfg.snapshot, cfg.run_dir) if cfg.snapshot.enabled else None
+    identity = state_identity.resolve(  # what state this run may load (all ranks, in order)
+        cfg, dp_size=ctx.world_size // ctx.tp_size, share=state_identity.share_over_default_group()
+    )
     recovery = Recovery(
         cfg,
         rank=ctx.rank,
         snapshot_dir=shm,
+        identity=identity,
         agree_min=agree_min_over_default_group(ctx.device),
         log=lambda m: print(f"[recovery] rank {ctx.rank}: {m}", flush=True),
     )
@@ -117,9 +122,12 @@ def run(args: argparse.Namespace) -> int:
         cfg.run_dir,
         max_steps=cfg.training.max_steps,
         tp_size=ctx.tp_size,
+        identity=identity,
         log=log,
     )
-    snapshots = SnapshotHook(cfg.snapshot, shm, ctx.rank, max_steps=cfg.training.max_steps, log=log)
+    snapshots = SnapshotHook(
+        cfg.snapshot, shm, ctx.rank, max_steps=cfg.training.max_steps, log=log, identity=identity
+    )
     try:
         engine = build_engine(cfg, ctx, log=log)
         start_step = recovery.load(engine, ckpt) or 0
@@ -134,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                     "backend": ctx.backend,
                 },
                 resume_step=start_step,
+                identity=identity,
             )
     except BaseException:
         if run_dir is not None:

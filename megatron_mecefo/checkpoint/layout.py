@@ -2,9 +2,15 @@
 
     <root>/step_00000012/            files written by dist_checkpointing (every rank)
     <root>/step_00000012/commit.json written last, by one rank, once every file is on disk:
-                                     {"step", "next_step", "files": {name: [bytes, sha256]}, ...}
+                                     {"next_step", "files": {name: [bytes, sha256]},
+                                      "identity": {run_id, config_hash, lineage}, ...,
+                                      "marker_sha256": SHA-256 of the marker's own content}
+    <root>/abandoned/<line>/step_*   checkpoints of an abandoned line (or another run) moved
+                                     aside when the current line needs their folder name
 
-A folder without `commit.json`, or whose files do not match it, is never loaded.
+A folder without `commit.json`, whose marker fails its own checksum, or whose files do not match
+it, is never loaded. What a valid checkpoint *is* (`StateIdentity.relation`) is judged by the
+resume policy (`manager.find_resume`) and by `prune`, which only deletes the current line's.
 """
 
 from __future__ import annotations
@@ -12,14 +18,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_mecefo.errors import CheckpointError
 
+if TYPE_CHECKING:
+    from megatron_mecefo.training.identity import StateIdentity
+
 MARKER = "commit.json"
 PREFIX = "step_"
+ABANDONED = "abandoned"
+_STEP_DIR = re.compile(r"step_\d{8}")
+_SELF = "marker_sha256"
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -35,12 +48,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_marker(folder: Path, next_step: int, extra: dict[str, Any]) -> dict:
-    """Checksum every file of `folder` and write the commit marker atomically (last)."""
+def _marker_digest(marker: dict) -> str:
+    body = {k: v for k, v in marker.items() if k != _SELF}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def write_marker(
+    folder: Path, next_step: int, extra: dict[str, Any], *, identity: dict | None = None
+) -> dict:
+    """Checksum every file of `folder` and write the commit marker atomically (last). The
+    marker's own checksum covers its identity and step as well as the file list."""
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MARKER):
         files[str(path.relative_to(folder))] = [path.stat().st_size, _sha256(path)]
-    marker = {"next_step": next_step, "files": files, **extra}
+    marker = {"next_step": next_step, "files": files, **extra, "identity": identity}
+    marker[_SELF] = _marker_digest(marker)
     tmp = folder / (MARKER + ".tmp")
     tmp.write_text(json.dumps(marker, indent=1))
     with open(tmp, "rb") as fh:
@@ -49,31 +71,59 @@ def write_marker(folder: Path, next_step: int, extra: dict[str, Any]) -> dict:
     return marker
 
 
-def validate(folder: str | os.PathLike) -> dict:
-    """The commit marker of a checkpoint whose files all match it.
+def load_marker(folder: str | os.PathLike) -> dict:
+    """The commit marker of `folder`, checked against its own checksum (files not checked).
 
     Raises:
-        CheckpointError: no marker (never committed: a crash during the save), a missing file,
-            or a file whose size or checksum differs (corruption), naming what failed.
+        CheckpointError: no such folder, no marker (the save never completed), or a marker
+            that is unreadable or fails its own checksum.
     """
     folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
     marker_path = folder / MARKER
     if not marker_path.is_file():
         raise CheckpointError(f"{folder}: no {MARKER} (the save never completed)")
     try:
         marker = json.loads(marker_path.read_text())
-        files = marker["files"]
+        marker["files"].items()
         int(marker["next_step"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{folder}: unreadable {MARKER} ({exc})") from None
-    if not files:
+    if marker.get(_SELF) != _marker_digest(marker):
+        raise CheckpointError(f"{folder}: {MARKER} fails its own checksum (edited or corrupt)")
+    if not marker["files"]:
         raise CheckpointError(f"{folder}: {MARKER} lists no files")
-    for name, (size, digest) in files.items():
+    return marker
+
+
+def read_marker(folder: str | os.PathLike) -> dict | None:
+    """`load_marker`, or None when it raises."""
+    try:
+        return load_marker(folder)
+    except CheckpointError:
+        return None
+
+
+def check_files(folder: str | os.PathLike, marker: dict) -> None:
+    """Raises CheckpointError naming the first missing file or failed checksum."""
+    folder = Path(folder)
+    for name, (size, digest) in marker["files"].items():
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{folder}: file {name} is missing")
         if path.stat().st_size != size or _sha256(path) != digest:
             raise CheckpointError(f"{folder}: file {name} fails its checksum (corrupt)")
+
+
+def validate(folder: str | os.PathLike) -> dict:
+    """The commit marker of a checkpoint whose marker and files all check.
+
+    Raises:
+        CheckpointError: see `load_marker` and `check_files`.
+    """
+    marker = load_marker(folder)
+    check_files(folder, marker)
     return marker
 
 
@@ -82,35 +132,50 @@ def candidates(root: str | os.PathLike) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX)]
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name)]
     return sorted(found, key=lambda p: p.name, reverse=True)
 
 
-def newest_valid(root: str | os.PathLike, log=None) -> tuple[Path, dict] | None:
-    """The newest checkpoint that validates; each one skipped is reported through `log`."""
-    for folder in candidates(root):
-        try:
-            return folder, validate(folder)
-        except CheckpointError as exc:
-            if log is not None:
-                log(f"skipping checkpoint: {exc}")
-    return None
+def set_aside(root: str | os.PathLike, folder: Path, marker: dict | None) -> Path:
+    """Move a checkpoint that is not on the current line out of the way (never deleted):
+    `<root>/abandoned/<its line>/<name>`; returns where it went."""
+    line = str(((marker or {}).get("identity") or {}).get("lineage", ["unidentified"])[-1])
+    dest = Path(root) / ABANDONED / re.sub(r"[^\w@.-]", "_", line) / folder.name
+    n = 1
+    while dest.exists():
+        dest, n = dest.with_name(f"{folder.name}.{n}"), n + 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    folder.rename(dest)
+    return dest
 
 
-def prune(root: str | os.PathLike, keep_latest: int, *, keep: Path | None = None) -> list[Path]:
-    """Delete all but the newest `keep_latest` committed checkpoints, and uncommitted folders
-    older than the newest committed one. `keep` (a save in flight) is never deleted."""
-    committed = [p for p in candidates(root) if (p / MARKER).is_file()]
-    newest = committed[0].name if committed else None
-    doomed = committed[keep_latest:]
-    doomed += [
-        p
-        for p in candidates(root)
-        if not (p / MARKER).is_file() and newest is not None and p.name < newest
-    ]
+def prune(
+    root: str | os.PathLike,
+    keep_latest: int,
+    identity: StateIdentity,
+    *,
+    keep: Path | None = None,
+) -> list[Path]:
+    """Keep the newest `keep_latest` committed checkpoints of the current line (its own and
+    its ancestors' up to the branch point) and delete its older ones, plus uncommitted folders
+    older than its newest. Checkpoints of other lines or runs are never deleted here. `keep` (a
+    save in flight, or the one just committed) is never deleted."""
+    line, partial = [], []
+    for p in candidates(root):
+        if not (p / MARKER).is_file():
+            partial.append(p)
+            continue
+        marker = read_marker(p)
+        if marker is None:
+            continue  # a corrupt marker: left for a person to look at
+        relation = identity.relation(marker.get("identity"), int(marker["next_step"]))
+        if relation in ("current", "ancestor"):
+            line.append(p)
+    newest = line[0].name if line else None
+    doomed = line[keep_latest:] + [p for p in partial if newest is not None and p.name < newest]
     removed = []
     for p in doomed:
-        if keep is not None and p.resolve() == keep.resolve():
+        if keep is not None and p.resolve() == Path(keep).resolve():
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)

@@ -1,8 +1,10 @@
-"""The checkpoint hook: resume at start, save every `interval` steps (async), commit, prune.
+"""The checkpoint hook: resume at start, save every `interval` steps (async), commit, prune;
+and the resume policy (`find_resume`: which checkpoints this run may load).
 
 A failed save never stops training: it is reported and the next interval tries again. A folder
-whose save did not complete (no commit marker) or whose files fail their checksums is never
-loaded; `resume: auto` falls back to the next older valid checkpoint and says why.
+whose save did not complete (no commit marker), whose marker or files fail their checksums, or
+that is not on this run's current line (`training.identity`) is never loaded; the recovery order
+(`snapshot.recovery`) falls back to the next older one and says why.
 """
 
 from __future__ import annotations
@@ -16,24 +18,120 @@ from megatron_mecefo.checkpoint import layout
 from megatron_mecefo.checkpoint.config import CheckpointConfig
 from megatron_mecefo.errors import CheckpointError
 from megatron_mecefo.training.hooks import TrainHook
+from megatron_mecefo.training.identity import StateIdentity, config_changes
 
 
 def checkpoint_root(cfg: CheckpointConfig, run_dir: str) -> Path:
     return Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
 
 
-def find_resume(cfg: CheckpointConfig, run_dir: str, log=None) -> tuple[Path, dict] | None:
-    """The checkpoint `cfg.resume` selects (None: start fresh).
+def find_resume(
+    cfg: CheckpointConfig,
+    run_dir: str,
+    identity: StateIdentity,
+    *,
+    resume: str | None = None,
+    log: Callable[[str], None] = print,
+) -> list[tuple[Path, dict | None]]:
+    """The checkpoints `resume` (default `cfg.resume`) may load, newest first: (folder, commit
+    marker checked against its own checksum; None if it fails: a committed checkpoint that is
+    corrupt). File checksums are checked when one is loaded (`CheckpointManager.resume`).
+
+    `auto` takes the current line only (`StateIdentity.relation`: current or ancestor); an
+    abandoned line is logged and never resumed. A named folder is a branch: `identity` already
+    starts a new line from it (`identity.resolve`), so it must be that line's parent.
 
     Raises:
-        CheckpointError: `resume` names a folder that is not a valid checkpoint.
+        CheckpointError: the named folder is missing, not committed, corrupt or not the branch
+            point; or, under `auto`, the current line was saved with another config, or the only
+            checkpoints there belong to another run.
     """
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        return layout.newest_valid(checkpoint_root(cfg, run_dir), log)
-    folder = Path(cfg.resume)
-    return folder, layout.validate(folder)
+    resume = cfg.resume if resume is None else resume
+    if resume == "never":
+        return []
+    if resume != "auto":
+        folder = Path(resume)
+        marker = layout.load_marker(folder)
+        relation = identity.relation(marker.get("identity"), int(marker["next_step"]))
+        if relation != "ancestor":
+            raise CheckpointError(
+                f"checkpoint.resume={folder}: "
+                + (
+                    "written without a state identity (by an older version); it cannot be "
+                    "checked, so it is not loaded"
+                    if relation == "unidentified"
+                    else f"not the branch point of lineage {identity.lineage_id}"
+                )
+            )
+        theirs = (marker.get("identity") or {}).get("config_hash")
+        note = (
+            f"; it was written with config {theirs} ("
+            + (config_changes(marker.get("config"), identity.config or {}) or "?")
+            + f"), this run has {identity.config_hash}: loaded on purpose"
+            if theirs != identity.config_hash
+            else ""
+        )
+        log(
+            f"checkpoint.resume={folder}: a rollback/branch at step {marker['next_step']}: new "
+            f"lineage {identity.lineage_id} (parent {marker['identity']['lineage'][-1]}){note}"
+        )
+        return [(folder, marker)]
+    root = checkpoint_root(cfg, run_dir)
+    found: list[tuple[Path, dict | None]] = []
+    foreign, abandoned = [], []
+    for folder in layout.candidates(root):
+        if not (folder / layout.MARKER).is_file():
+            log(f"skipping checkpoint {folder.name}: no {layout.MARKER} (the save never completed)")
+            continue
+        try:
+            marker = layout.load_marker(folder)
+        except CheckpointError as exc:
+            found.append((folder, None))  # committed but corrupt: tried (and refused) in order
+            log(f"checkpoint {exc}")
+            continue
+        step = int(marker["next_step"])
+        relation = identity.relation(marker.get("identity"), step)
+        if relation in ("current", "ancestor"):
+            found.append((folder, marker))
+        elif relation == "changed":
+            changes = config_changes(marker.get("config"), identity.config or {})
+            raise CheckpointError(
+                f"checkpoint {folder} of this run was written with config "
+                f"{marker['identity']['config_hash']}, this run's config is "
+                f"{identity.config_hash}"
+                + (f" ({changes})" if changes else "")
+                + ": resume=auto never loads another config's state; to continue from it with "
+                f"this config set checkpoint.resume={folder} (a new lineage), to start a new "
+                "run use another run_dir or checkpoint.dir"
+            )
+        elif relation == "abandoned":
+            abandoned.append(folder.name)
+        else:
+            foreign.append((folder, marker, relation))
+    if foreign and found:
+        log(
+            f"checkpoints {', '.join(f.name for f, _, _ in foreign)} belong to another run: ignored"
+        )
+    if abandoned:
+        log(
+            f"checkpoints {', '.join(sorted(abandoned))} belong to an abandoned lineage of this "
+            "run (rolled back): kept, never resumed"
+        )
+    if foreign and not found:
+        folder, marker, relation = foreign[0]
+        who = (
+            "written without a state identity (an older version)"
+            if relation == "unidentified"
+            else f"of run {marker['identity']['run_id']}, config "
+            f"{marker['identity']['config_hash']}"
+        )
+        raise CheckpointError(
+            f"{root} holds checkpoints of another run ({folder.name}: {who}; this run is "
+            f"{identity.describe()}): resume=auto never loads them and never starts over on "
+            "them; set checkpoint.resume=<folder> to branch from one, checkpoint.resume=never "
+            "to start a new run beside them, or use another checkpoint.dir"
+        )
+    return found
 
 
 class CheckpointManager(TrainHook):
@@ -47,10 +145,14 @@ class CheckpointManager(TrainHook):
         *,
         max_steps: int,
         tp_size: int,
+        identity: StateIdentity | None = None,
         saves_here: Callable[[], bool] = lambda: True,
         log: Callable[[str], None] = print,
     ):
         self.cfg = cfg
+        self.identity = identity
+        """Written into every commit marker; pruning keeps to its line (None: a marker without
+        identity, never resumed, and no pruning)."""
         self.root = checkpoint_root(cfg, run_dir)
         self.max_steps = max_steps
         self.tp_size = tp_size
@@ -127,6 +229,7 @@ class CheckpointManager(TrainHook):
         start = time.perf_counter()
         try:
             if checkpointing.default_group_rank() == 0:
+                self._clear(folder)
                 folder.mkdir(parents=True, exist_ok=True)
             checkpointing.barrier()
             request = checkpointing.save(
@@ -150,13 +253,40 @@ class CheckpointManager(TrainHook):
 
         if checkpointing.default_group_rank() != 0:
             return
-        layout.write_marker(folder, next_step, {"tp": self.tp_size, "epoch_s": time.time()})
-        removed = layout.prune(self.root, self.cfg.keep_latest)
+        ident = self.identity
+        extra = {"tp": self.tp_size, "epoch_s": time.time(), "config": ident and ident.config}
+        layout.write_marker(
+            folder, next_step, extra, identity=ident.to_dict() if ident is not None else None
+        )
+        removed = (
+            layout.prune(self.root, self.cfg.keep_latest, ident, keep=folder)
+            if ident is not None
+            else []
+        )
         self.stats["saved"].append(next_step)
         self.log(
             f"checkpoint {folder.name} committed ({time.perf_counter() - start:.1f} s"
             f"{', pruned ' + ', '.join(p.name for p in removed) if removed else ''})"
         )
+
+    def _clear(self, folder: Path) -> None:
+        """Make `folder` free for a new save: a checkpoint of another line or run there is moved
+        aside (`layout.set_aside`, never deleted); one of this line (a step redone after an
+        in-job recovery) loses its marker first, so a crash mid-save leaves no valid-looking
+        folder."""
+        if not (folder / layout.MARKER).is_file():
+            return  # nothing, or a save that never completed: overwritten
+        marker = layout.read_marker(folder)
+        relation = (
+            self.identity.relation(marker.get("identity"), int(marker["next_step"]))
+            if marker is not None and self.identity is not None
+            else "unidentified"
+        )
+        if relation not in ("current", "ancestor"):
+            dest = layout.set_aside(self.root, folder, marker)
+            self.log(f"{folder.name} holds a checkpoint of another lineage or run: moved to {dest}")
+            return
+        (folder / layout.MARKER).unlink(missing_ok=True)
 
     def _poll(self, *, blocking: bool) -> None:
         if self._saves is None:

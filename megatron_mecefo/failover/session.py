@@ -45,9 +45,10 @@ def run_with_failover(cfg, args, say) -> int:
     from megatron_mecefo.snapshot.hook import SnapshotHook
     from megatron_mecefo.snapshot.paths import node_dir
     from megatron_mecefo.snapshot.recovery import Recovery, agree_min_over_default_group
+    from megatron_mecefo.training import identity as state_identity
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
-    from megatron_mecefo.training.run_dir import RunDir, truncate_metrics
+    from megatron_mecefo.training.run_dir import RunDir, truncate_audit, truncate_metrics
 
     address = os.environ[keys.COORDINATOR_ENV]
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -83,10 +84,21 @@ def run_with_failover(cfg, args, say) -> int:
     shm = node_dir(cfg.snapshot, cfg.run_dir) if cfg.snapshot.enabled else None
     log = lambda m: print(f"[recovery] rank {rank}: {m}", flush=True)  # noqa: E731
     ctx = init_replica_parallel(cfg, backend, address, replica, tp_rank, tp, incarnation)
+    # one identity for the launch (the first trainer's proposal, through the store); a restarted
+    # rank continues the current line, never a rollback the command line asked for at start
+    resume = cfg.checkpoint.resume if incarnation == 0 else "auto"
+    identity = state_identity.resolve(
+        cfg,
+        dp_size=world // tp,
+        share=state_identity.share_over_store(manager.store),
+        resume=resume,
+    )
     recovery = Recovery(
         cfg,
         rank=rank,
         snapshot_dir=shm,
+        identity=identity,
+        resume=resume,
         agree_min=agree_min_over_default_group(ctx.device),  # over this replica's TP ranks
         log=log,
     )
@@ -108,13 +120,16 @@ def run_with_failover(cfg, args, say) -> int:
         cfg.run_dir,
         max_steps=cfg.training.max_steps,
         tp_size=tp,
+        identity=identity,
         saves_here=lambda: manager.membership.members[0] == manager.replica,
         log=lambda m: print(f"[checkpoint] rank {rank}: {m}", flush=True),
     )
     manager.recover = lambda: recovery.load(engine, ckpt)
     if incarnation == 0:
         manager.next_step = recovery.load(engine, ckpt) or 0
-    snapshots = SnapshotHook(cfg.snapshot, shm, rank, max_steps=cfg.training.max_steps, log=log)
+    snapshots = SnapshotHook(
+        cfg.snapshot, shm, rank, max_steps=cfg.training.max_steps, log=log, identity=identity
+    )
     snapshots.attach(engine)
     try:
         start_step = manager.join(engine)
@@ -126,12 +141,13 @@ def run_with_failover(cfg, args, say) -> int:
         # cannot leave the job without a run directory (it re-checks: rank 0 may not have)
         run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=start_step > 0)
         layout = {"world_size": world, "dp_size": world // tp, "tp_size": tp, "backend": backend}
-        run_dir.create(cfg, {**layout, "failover": True}, resume_step=start_step)
+        run_dir.create(cfg, {**layout, "failover": True}, resume_step=start_step, identity=identity)
         manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
     if start_step > 0:
         say(f"rank {rank} (incarnation {incarnation}) rejoined at step {start_step}", flush=True)
     if manager.is_leader and incarnation > 0:  # after an in-job recovery that rolled back
         truncate_metrics(Path(cfg.run_dir) / "metrics.jsonl", start_step)
+        truncate_audit(Path(cfg.run_dir), start_step)
     from megatron_mecefo.config.loader import to_dict
 
     logger = MetricsLogger(

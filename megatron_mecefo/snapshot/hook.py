@@ -5,7 +5,8 @@ The state tensors (parameters, optimizer moments) are not modified until the nex
 update, so the copy overlaps the next step's forward and backward; `Engine.before_update` waits
 for it (the torchtitan staging pattern). The RNG states and the small non-tensor parts are taken
 synchronously at the save point. The CRC and the "clean" mark follow in the same thread and do
-not block training. This module does not load snapshots (`recovery`).
+not block training. Every slot header records the run's identity (run id, config hash, lineage).
+This module does not load snapshots (`recovery`).
 """
 
 from __future__ import annotations
@@ -19,15 +20,25 @@ from megatron_mecefo.snapshot.config import SnapshotConfig
 from megatron_mecefo.snapshot.slots import HEADER, SlotPair, plan_layout
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.hooks import TrainHook
+from megatron_mecefo.training.identity import StateIdentity
 
 
 class SnapshotHook(TrainHook):
     """Writes snapshots of one rank; every method is a no-op when `cfg.interval` is 0."""
 
     def __init__(
-        self, cfg: SnapshotConfig, directory: Path | None, rank: int, *, max_steps: int, log
+        self,
+        cfg: SnapshotConfig,
+        directory: Path | None,
+        rank: int,
+        *,
+        max_steps: int,
+        log,
+        identity: StateIdentity | None = None,
     ):
         self.cfg = cfg
+        self.meta = identity.slot_meta() if identity is not None else {}
+        """What each slot header records (a snapshot without an identity is never resumed)."""
         self.rank = rank
         self.max_steps = max_steps
         self.log = log
@@ -95,8 +106,8 @@ class SnapshotHook(TrainHook):
             try:
                 t0 = time.perf_counter()
                 skeleton, refs, tensors, payload = plan_layout(state)
-                slot = self.pair.target()
-                slot.begin(next_step, skeleton, refs, payload)
+                slot = self.pair.target(self.meta)
+                slot.begin(next_step, skeleton, refs, payload, self.meta)
                 base = HEADER + len(skeleton)
                 for ref, tensor in zip(refs, tensors):
                     slot.copy_tensor(base + ref.offset, tensor)

@@ -3,9 +3,11 @@
 A rank that starts without a live peer to copy from (a fresh job start, or every replica lost at
 once) asks `Recovery`. It lists the candidates from headers and commit markers only, newest
 first (a snapshot before a disk checkpoint of the same step: no disk I/O), then loads the first
-that verifies. The TP ranks of a replica agree on each candidate (same step, every shard loaded)
-before using it. Each skipped candidate is logged with a one-line reason; nothing corrupt is ever
-loaded. A snapshot the node's snapshot process rebuilt from parity says so in a marker file.
+that verifies. Only state of this run's identity is a candidate (`training.identity`: run id,
+config hash, lineage; a snapshot of another run is logged and ignored). The TP ranks of a replica
+agree on each candidate (same step, every shard loaded) before using it. Each skipped candidate
+is logged with a one-line reason; nothing corrupt or foreign is ever loaded. A snapshot the
+node's snapshot process rebuilt from parity says so in a marker file.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_mecefo.checkpoint import layout
 from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
 from megatron_mecefo.errors import CheckpointError, SnapshotCorruptError
 from megatron_mecefo.snapshot.paths import SMP_ENV
 from megatron_mecefo.snapshot.slots import SlotPair
 from megatron_mecefo.training import state as train_state
+from megatron_mecefo.training.identity import StateIdentity
 
 REBUILT_MARKER = "rebuilt.json"
 """Written by the snapshot process into a node folder it rebuilt from parity: {"step": S, ...}."""
@@ -33,11 +37,15 @@ class Candidate:
     source: str  # "snapshot" | "parity" | "disk"
     step: int
     where: str
-    found: Any = None  # for disk: (folder, marker) from layout.validate
+    found: Any = None  # for disk: (folder, marker as listed, None if corrupt) from find_resume
 
 
 class Recovery:
-    """The recovery order for one rank; `agree` reduces a value over the replica's TP ranks."""
+    """The recovery order for one rank; `agree` reduces a value over the replica's TP ranks.
+
+    `identity` is what the state must be (`identity.resolve`). `resume` (default
+    `checkpoint.resume`) applies to the first load; later loads (in-job recoveries) continue the
+    current line (`auto`), so an explicit rollback is not repeated mid-job."""
 
     def __init__(
         self,
@@ -45,11 +53,15 @@ class Recovery:
         *,
         rank: int,
         snapshot_dir: Path | None,
+        identity: StateIdentity,
+        resume: str | None = None,
         agree_min: Callable[[int], int] = lambda x: x,
         log: Callable[[str], None] = print,
     ):
         self.cfg = cfg
         self.rank = rank
+        self.identity = identity
+        self.resume = cfg.checkpoint.resume if resume is None else resume
         self.pair = SlotPair(snapshot_dir, rank) if snapshot_dir is not None else None
         self.snapshot_dir = snapshot_dir
         self.agree_min = agree_min
@@ -68,18 +80,27 @@ class Recovery:
 
     def _list(self) -> list[Candidate]:
         found: list[Candidate] = []
-        if self.cfg.checkpoint.resume == "never":
+        if self.resume == "never":
             return found
         self._wait_for_smp()
-        if self.pair is not None and self.cfg.checkpoint.resume == "auto":
+        if self.pair is not None and self.resume == "auto":
             rebuilt = self._rebuilt_step()
-            for step in sorted(self.pair.clean_steps(), reverse=True):
-                source = "parity" if step == rebuilt else "snapshot"
-                found.append(Candidate(source, step, str(self.snapshot_dir)))
-        disk = find_resume(self.cfg.checkpoint, self.cfg.run_dir, self.log)
-        if disk is not None:
-            found.append(Candidate("disk", int(disk[1]["next_step"]), str(disk[0]), disk))
-        return sorted(found, key=lambda c: (-c.step, c.source == "disk"))
+            for head, _ in self.pair.clean():
+                why = self.identity.snapshot_mismatch(head.meta)
+                if why is not None:  # another run's (or line's) state: not a candidate
+                    self.skipped.append(f"snapshot step {head.step}: {why}")
+                    self.log(f"skipping snapshot step {head.step}: {why}")
+                    continue
+                source = "parity" if head.step == rebuilt else "snapshot"
+                found.append(Candidate(source, head.step, str(self.snapshot_dir)))
+        disk = find_resume(
+            self.cfg.checkpoint, self.cfg.run_dir, self.identity, resume=self.resume, log=self.log
+        )
+        for folder, marker in disk:
+            step = int(marker["next_step"]) if marker else int(folder.name.removeprefix("step_"))
+            found.append(Candidate("disk", step, str(folder), (folder, marker)))
+        unique = {(c.source, c.step): c for c in found}.values()  # both slots may hold a step
+        return sorted(unique, key=lambda c: (-c.step, c.source == "disk"))
 
     def load(self, engine, ckpt: CheckpointManager) -> int | None:
         """Load the newest state every rank of the `agree_min` group can load; returns its next
@@ -95,6 +116,7 @@ class Recovery:
         """
         remaining = self.candidates()
         self._listed = None  # a later load lists again (state may have been written since)
+        self.resume = "auto"  # a later load (an in-job recovery) continues the current line
         had_state = int(bool(remaining))
         tried: list[str] = []
         while True:
@@ -156,9 +178,22 @@ class Recovery:
     def _try(self, engine, ckpt: CheckpointManager, cand: Candidate) -> tuple[bool, str | None]:
         try:
             if cand.source == "disk":
-                ckpt.resume(engine, cand.found)
+                folder, listed = cand.found
+                marker = layout.validate(folder)  # the marker again, and every file's checksum
+                if marker != listed:
+                    raise CheckpointError(f"{folder}: {layout.MARKER} changed since it was listed")
+                ckpt.resume(engine, (folder, marker))
             else:
-                state = self.pair.read_at(cand.step, verify=self.cfg.snapshot.verify_on_load)
+                state = self.pair.read_at(
+                    cand.step,
+                    verify=self.cfg.snapshot.verify_on_load,
+                    check=self.identity.snapshot_mismatch,  # on the CRC-verified header
+                )
+                body_step = train_state.next_step_of(state)
+                if body_step != cand.step:
+                    raise SnapshotCorruptError(
+                        f"the header says step {cand.step}, the state it holds step {body_step}"
+                    )
                 _check_shapes(engine, state)
                 train_state.load_state_dict(engine, state)
             return True, None

@@ -2,38 +2,79 @@
 
 Layout of a slot file (little endian):
 
-    [0:8)   magic b"MECEFOS1"       [8]      state: 0 empty, 1 dirty, 2 clean
-    [16:24) step (next step, int64)  [24:32)  skeleton length    [32:40) payload length
-    [40:44) CRC32 of skeleton + payload
+    [0:8)   magic b"MECEFOS2"       [8]      state: 0 empty, 1 dirty, 2 clean
+    [16:20) CRC32 of bytes [20 : 48 + meta length), then of the skeleton and payload
+    [20:28) step (next step, int64)  [28:36)  skeleton length    [36:44) payload length
+    [44:48) meta length              [48:...) meta: JSON, what the state is (run id, config
+                                              hash, lineage; `training.identity`)
     [4096:) pickled skeleton (the state dict with each tensor replaced by (offset, dtype, shape)),
             then the tensors' bytes, 64-byte aligned
 
 A write marks the slot dirty first and clean last, after the CRC; the slot written is never the
-newest clean one, so a crash mid-copy leaves the previous snapshot intact. Readers accept only a
-clean slot whose CRC matches. This module knows nothing about training or processes.
+newest clean one of the same meta, so a crash mid-copy leaves the previous snapshot intact.
+Readers accept only a clean slot whose CRC matches: the CRC covers the header fields (step,
+lengths, meta) as well as the body, so an edited step or identity is a corrupt slot. Whether
+the meta is the right one is the reader's check (`check` arguments). This module knows nothing
+about training or processes.
 """
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import pickle
 import struct
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_mecefo.errors import SnapshotCorruptError
+from megatron_mecefo.errors import CheckpointError, SnapshotCorruptError
 
-MAGIC = b"MECEFOS1"
+MAGIC = b"MECEFOS2"
 HEADER = 4096
 EMPTY, DIRTY, CLEAN = 0, 1, 2
-_FIELDS = struct.Struct("<qqqI")  # step, skeleton length, payload length, crc  (at offset 16)
+_CRC = struct.Struct("<I")  # at offset 16
+_FIELDS = struct.Struct("<qqqI")  # step, skeleton length, payload length, meta length (at 20)
+_COVERED = 20  # the CRC covers the header from here (state byte and magic excluded)
+_META = _COVERED + _FIELDS.size  # 48
 _ALIGN = 64
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """A slot's header as read (not yet verified: `SlotFile.read` checks it with the body)."""
+
+    state: int
+    step: int = -1
+    skeleton: int = 0
+    payload: int = 0
+    crc: int = 0
+    meta: dict = field(default_factory=dict)
+    covered: bytes = b""  # header bytes the CRC covers
+
+    def body_crc(self, body) -> int:
+        return zlib.crc32(body, zlib.crc32(self.covered))
+
+
+def _parse_header(head: bytes) -> SlotHeader:
+    if len(head) < _META or head[:8] != MAGIC:
+        return SlotHeader(EMPTY)
+    (crc,) = _CRC.unpack_from(head, 16)
+    step, skel, payload, meta_len = _FIELDS.unpack_from(head, _COVERED)
+    if meta_len > HEADER - _META or len(head) < _META + meta_len:
+        return SlotHeader(head[8], step, skel, payload, crc, {}, b"")
+    covered = bytes(head[_COVERED : _META + meta_len])
+    try:
+        meta = json.loads(head[_META : _META + meta_len] or b"{}")
+    except ValueError:
+        meta = {"unreadable": True}
+    meta = meta if isinstance(meta, dict) else {"unreadable": True}
+    return SlotHeader(head[8], step, skel, payload, crc, meta, covered)
 
 
 @dataclass(frozen=True)
@@ -96,28 +137,38 @@ class SlotFile:
         self._view: torch.Tensor | None = None  # uint8 tensor over the whole map
 
     # ------------------------------------------------------------------ header
-    def header(self) -> tuple[int, int, int, int, int]:
-        """(state, step, skeleton length, payload length, crc); EMPTY if absent or not ours."""
+    def header(self) -> SlotHeader:
+        """The header (state EMPTY if the file is absent or not a slot of this format)."""
         try:
             with open(self.path, "rb") as fh:
-                head = fh.read(44)
+                head = fh.read(HEADER)
         except FileNotFoundError:
-            return EMPTY, -1, 0, 0, 0
-        if len(head) < 44 or head[:8] != MAGIC:
-            return EMPTY, -1, 0, 0, 0
-        step, skel, payload, crc = _FIELDS.unpack_from(head, 16)
-        return head[8], step, skel, payload, crc
+            return SlotHeader(EMPTY)
+        return _parse_header(head)
 
     # ------------------------------------------------------------------ write
-    def begin(self, step: int, skeleton: bytes, refs: list[_TensorRef], payload: int) -> None:
-        """Size and map the file, mark it dirty, write the skeleton (the copy follows)."""
+    def begin(
+        self,
+        step: int,
+        skeleton: bytes,
+        refs: list[_TensorRef],
+        payload: int,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """Size and map the file, mark it dirty, write the header and the skeleton (the copy
+        follows). `meta` says what the state is (JSON, under 4 KB)."""
+        raw_meta = json.dumps(meta or {}, sort_keys=True).encode()
+        if len(raw_meta) > HEADER - _META:
+            raise ValueError(f"snapshot meta of {len(raw_meta)} bytes exceeds {HEADER - _META}")
         size = HEADER + len(skeleton) + payload
         size = max(size, HEADER + _ALIGN)
         self._map(size)
         mm = self._mm
         mm[8] = DIRTY  # before anything else changes
         mm[0:8] = MAGIC
-        _FIELDS.pack_into(mm, 16, step, len(skeleton), payload, 0)
+        _CRC.pack_into(mm, 16, 0)
+        _FIELDS.pack_into(mm, _COVERED, step, len(skeleton), payload, len(raw_meta))
+        mm[_META : _META + len(raw_meta)] = raw_meta
         mm[HEADER : HEADER + len(skeleton)] = skeleton
 
     def copy_tensor(self, offset: int, tensor: torch.Tensor) -> None:
@@ -125,11 +176,12 @@ class SlotFile:
         self._view[offset : offset + src.numel()].copy_(src)
 
     def seal(self) -> None:
-        """CRC over skeleton + payload, then mark clean (the last write)."""
+        """CRC over the header fields, skeleton and payload, then mark clean (the last write)."""
         mm = self._mm
-        step, skel, payload, _ = _FIELDS.unpack_from(mm, 16)
-        crc = zlib.crc32(memoryview(mm)[HEADER : HEADER + skel + payload])
-        _FIELDS.pack_into(mm, 16, step, skel, payload, crc)
+        _, skel, payload, meta_len = _FIELDS.unpack_from(mm, _COVERED)
+        crc = zlib.crc32(memoryview(mm)[_COVERED : _META + meta_len])
+        crc = zlib.crc32(memoryview(mm)[HEADER : HEADER + skel + payload], crc)
+        _CRC.pack_into(mm, 16, crc)
         mm[8] = CLEAN
         mm.flush()
 
@@ -155,24 +207,41 @@ class SlotFile:
             self._mm = None
 
     # ------------------------------------------------------------------ read
-    def read(self, *, verify: bool = True) -> tuple[int, Any]:
-        """(step, state dict) of a clean slot.
+    def read_raw(self, *, verify: bool = True) -> tuple[SlotHeader, bytearray]:
+        """(header, the file's bytes up to the end of the payload) of a clean slot, read once.
 
         Raises:
-            SnapshotCorruptError: not clean, truncated, or the CRC does not match.
+            SnapshotCorruptError: not clean, truncated, or the CRC (header fields + body) does
+                not match.
         """
-        state, step, skel, payload, crc = self.header()
-        if state != CLEAN:
-            raise SnapshotCorruptError(f"{self.path.name}: not a clean snapshot (state {state})")
-        data = bytearray(self.path.read_bytes())
-        if len(data) < HEADER + skel + payload:
+        try:
+            data = bytearray(self.path.read_bytes())
+        except FileNotFoundError:
+            raise SnapshotCorruptError(f"{self.path.name}: no such slot") from None
+        head = _parse_header(bytes(data[:HEADER]))
+        if head.state != CLEAN:
+            raise SnapshotCorruptError(
+                f"{self.path.name}: not a clean snapshot (state {head.state})"
+            )
+        end = HEADER + head.skeleton + head.payload
+        if len(data) < end or not head.covered:
             raise SnapshotCorruptError(f"{self.path.name}: truncated ({len(data)} bytes)")
-        body = memoryview(data)[HEADER : HEADER + skel + payload]
-        if verify and zlib.crc32(body) != crc:
+        if verify and head.body_crc(memoryview(data)[HEADER:end]) != head.crc:
             raise SnapshotCorruptError(f"{self.path.name}: CRC mismatch (corrupt snapshot)")
-        skeleton, refs = pickle.loads(body[:skel])
-        base = torch.frombuffer(data, dtype=torch.uint8)[HEADER + skel :]
-        return step, _unflatten(skeleton, refs, base)
+        del data[end:]
+        return head, data
+
+    def read(self, *, verify: bool = True) -> tuple[SlotHeader, Any]:
+        """(verified header, state dict) of a clean slot.
+
+        Raises:
+            SnapshotCorruptError: see `read_raw`.
+        """
+        head, data = self.read_raw(verify=verify)
+        body = memoryview(data)[HEADER:]
+        skeleton, refs = pickle.loads(body[: head.skeleton])
+        base = torch.frombuffer(data, dtype=torch.uint8)[HEADER + head.skeleton :]
+        return head, _unflatten(skeleton, refs, base)
 
 
 def plan_layout(state: Any) -> tuple[bytes, list[_TensorRef], list[torch.Tensor], int]:
@@ -188,48 +257,72 @@ def plan_layout(state: Any) -> tuple[bytes, list[_TensorRef], list[torch.Tensor]
     return pickle.dumps((skeleton, refs)), refs, tensors, offset
 
 
+Check = Callable[[dict], "str | None"]
+"""A reader's check of a slot's meta: None if it is the state wanted, else why not."""
+
+
 class SlotPair:
     """A trainer's two alternating slots `<dir>/rank<R>.slot{0,1}`."""
 
     def __init__(self, directory: Path, rank: int):
         self.slots = [SlotFile(Path(directory) / f"rank{rank:05d}.slot{i}") for i in (0, 1)]
 
+    def clean(self) -> list[tuple[SlotHeader, SlotFile]]:
+        """The slots whose header says clean, newest step first (CRC not checked here)."""
+        found = [(slot.header(), slot) for slot in self.slots]
+        found = [(head, slot) for head, slot in found if head.state == CLEAN]
+        return sorted(found, key=lambda hs: -hs[0].step)
+
     def clean_steps(self) -> dict[int, SlotFile]:
         """step -> slot, for the slots whose header says clean (CRC not checked here)."""
-        out = {}
-        for slot in self.slots:
-            state, step, *_ = slot.header()
-            if state == CLEAN:
-                out[step] = slot
-        return out
+        return {head.step: slot for head, slot in reversed(self.clean())}
 
-    def target(self) -> SlotFile:
-        """The slot to write next: never the newest clean one."""
-        clean = self.clean_steps()
-        if not clean:
-            return self.slots[0]
-        newest = clean[max(clean)]
-        return self.slots[1] if newest is self.slots[0] else self.slots[0]
+    def target(self, meta: dict | None = None) -> SlotFile:
+        """The slot to write next: never the newest clean one with the same `meta` (a slot of
+        other meta, such as a stale run's, is taken first)."""
+        mine = [slot for head, slot in self.clean() if head.meta == (meta or {})]
+        if not mine:
+            others = {id(slot) for _, slot in self.clean()}
+            free = [slot for slot in self.slots if id(slot) not in others]
+            return free[0] if free else self.slots[0]
+        return self.slots[1] if mine[0] is self.slots[0] else self.slots[0]
 
-    def read_at(self, step: int, *, verify: bool = True) -> Any:
-        """The state of `step` (raises SnapshotCorruptError if it is not held or fails its CRC)."""
-        slot = self.clean_steps().get(step)
-        if slot is None:
+    def read_at(self, step: int, *, verify: bool = True, check: Check | None = None) -> Any:
+        """The state of `step` whose meta passes `check`.
+
+        Raises:
+            SnapshotCorruptError: no clean slot of `step`, or it fails its CRC.
+            CheckpointError: its (verified) meta fails `check`: another run's state.
+        """
+        slots = [slot for head, slot in self.clean() if head.step == step]
+        if not slots:
             where = self.slots[0].path.parent
             raise SnapshotCorruptError(f"no clean snapshot of step {step} in {where}")
-        got, state = slot.read(verify=verify)
-        if got != step:  # rewritten between the header check and the read
-            raise SnapshotCorruptError(f"snapshot of step {step} was overwritten while reading")
-        return state
+        why = None
+        for slot in slots:
+            head, state = slot.read(verify=verify)
+            if head.step != step:  # rewritten between the header check and the read
+                why = SnapshotCorruptError(f"snapshot of step {step} was overwritten while reading")
+            elif check is not None and (reason := check(head.meta)) is not None:
+                why = CheckpointError(reason)
+            else:
+                return state
+        raise why
 
-    def newest(self, *, verify: bool = True, log=None) -> tuple[int, Any] | None:
-        """The newest clean slot that verifies; a corrupt one is reported and skipped."""
-        for step, slot in sorted(self.clean_steps().items(), reverse=True):
+    def newest(
+        self, *, verify: bool = True, log=None, check: Check | None = None
+    ) -> tuple[int, Any] | None:
+        """(step, state) of the newest clean slot that verifies (and passes `check`); one that
+        does not is reported and skipped."""
+        for head, slot in self.clean():
             try:
-                return slot.read(verify=verify)
-            except SnapshotCorruptError as exc:
+                got, state = slot.read(verify=verify)
+                if check is not None and (reason := check(got.meta)) is not None:
+                    raise CheckpointError(reason)
+                return got.step, state
+            except CheckpointError as exc:
                 if log is not None:
-                    log(f"skipping snapshot of step {step}: {exc}")
+                    log(f"skipping snapshot of step {head.step}: {exc}")
         return None
 
     def close(self) -> None:

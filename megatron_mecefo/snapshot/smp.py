@@ -24,10 +24,10 @@ import struct
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 
-from megatron_mecefo.snapshot.slots import CLEAN, HEADER, SlotPair
+from megatron_mecefo.errors import SnapshotCorruptError
+from megatron_mecefo.snapshot.slots import SlotPair
 
 READY_MARKER = "smp.ready"
 """Written once the SMP finished its start-up (and any rebuild); trainers wait for it."""
@@ -54,14 +54,12 @@ def node_blob(directory: Path, ranks: list[int], step: int) -> bytes | None:
         slot = SlotPair(directory, rank).clean_steps().get(step)
         if slot is None:
             return None
-        state, got, skel, payload, crc = slot.header()
         try:
-            with open(slot.path, "rb") as fh:
-                raw = fh.read(HEADER + skel + payload)
-        except OSError:
-            return None
-        if got != step or state != CLEAN or zlib.crc32(memoryview(raw)[HEADER:]) != crc:
+            head, raw = slot.read_raw(verify=True)
+        except SnapshotCorruptError:
             return None  # being rewritten, or corrupt: never protect it
+        if head.step != step:
+            return None
         parts.append(raw)
         index.append({"rank": rank, "nbytes": len(raw)})
     head = json.dumps({"step": step, "slots": index}).encode()

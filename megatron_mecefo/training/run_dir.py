@@ -19,6 +19,8 @@ import yaml
 
 from megatron_mecefo.config.loader import to_dict
 from megatron_mecefo.errors import ConfigError
+from megatron_mecefo.training.identity import StateIdentity
+from megatron_mecefo.training.identity import write_file as write_identity
 
 _PACKAGES = ("torch", "megatron-core", "numpy", "sentencepiece", "megatron-mecefo", "triton")
 
@@ -35,10 +37,18 @@ class RunDir:
                 "choose another --run-dir or pass overwrite=true to replace it"
             )
 
-    def create(self, config: Any, extra_env: dict[str, Any], *, resume_step: int = 0) -> None:
-        """Write config and environment. A fresh run (`resume_step` 0) drops a previous run's
-        metrics, events and summary; a resumed one keeps its metrics and events up to
-        `resume_step` (rows of steps it will redo are dropped) and only drops the summary."""
+    def create(
+        self,
+        config: Any,
+        extra_env: dict[str, Any],
+        *,
+        resume_step: int = 0,
+        identity: StateIdentity | None = None,
+    ) -> None:
+        """Write config, environment and the state identity. A fresh run (`resume_step` 0) drops
+        a previous run's metrics, events, audit and summary; a resumed one keeps its metrics,
+        events and audit rows up to `resume_step` (rows of steps it will redo are dropped) and
+        only drops the summary."""
         self.created = not self.path.exists()
         self.path.mkdir(parents=True, exist_ok=True)
         stale = (
@@ -48,6 +58,9 @@ class RunDir:
             (self.path / name).unlink(missing_ok=True)
         if resume_step:
             truncate_metrics(self.path / "metrics.jsonl", resume_step)
+        truncate_audit(self.path, resume_step)
+        if identity is not None:
+            write_identity(self.path, identity)
         (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         env = {**environment_info(), **extra_env}
         (self.path / "env.json").write_text(json.dumps(env, indent=2))
@@ -70,6 +83,23 @@ def truncate_metrics(path: Path, next_step: int) -> None:
     keep = [line for line in path.read_text().splitlines() if line.strip()]
     keep = [line for line in keep if json.loads(line).get("step", 0) < next_step]
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def truncate_audit(run_dir: Path, next_step: int) -> None:
+    """Keep the audit rows (`failover.audit`) of steps before `next_step`; the final-state
+    digests are dropped (the run will write them again)."""
+    audit = Path(run_dir) / "audit"
+    for path in audit.glob("tasks_rank*.jsonl"):
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < next_step:
+                    keep.append(line)
+            except (ValueError, KeyError, TypeError):
+                pass  # a row cut short by a crash
+        path.write_text("".join(line + "\n" for line in keep))
+    for path in audit.glob("state_rank*.json"):
+        path.unlink(missing_ok=True)
 
 
 def environment_info() -> dict[str, Any]:

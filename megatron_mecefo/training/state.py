@@ -31,6 +31,14 @@ def load_state_dict(engine: Any, state: dict[str, Any]) -> int:
     return int(state["next_step"])
 
 
+def next_step_of(state: Any) -> int | None:
+    """The `next_step` a state dict holds (None if it is not one of ours)."""
+    try:
+        return int(state["next_step"])
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
 def to_bytes(state: dict[str, Any]) -> torch.Tensor:
     """Serialise a state dict into one uint8 tensor (for point-to-point transfer)."""
     buf = io.BytesIO()

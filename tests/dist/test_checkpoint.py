@@ -1,7 +1,8 @@
 """Disk checkpoints with megatron dist_checkpointing, end to end through the real CLI: an
 interrupted-and-resumed run equals the uninterrupted one bit for bit; a corrupt or uncommitted
-newest checkpoint is skipped for the previous valid one; a different DP size resumes; and under
-failover, losing every replica at once is no longer the end of the run."""
+newest checkpoint is skipped for the previous valid one; a different DP size resumes; under
+failover, losing every replica at once is no longer the end of the run; and a rollback starts a
+new lineage that pruning and `resume=auto` keep to (issue 15)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mecefo.checkpoint import layout
 from tests.helpers.cli import run_train as _train
 from tests.helpers.launch import launch
 
@@ -79,6 +81,10 @@ def test_named_checkpoint_that_is_invalid_is_a_clean_error(tmp_path, demo_data_d
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
     assert proc.returncode == 5 and len(errors) == 1, proc.stderr[-2000:]
     assert "never completed" in errors[0] and "Traceback" not in proc.stderr
+    missing = tmp_path / "step_00000099"
+    proc = _train(tmp_path / "run", demo_data_dir, 8, f"checkpoint.resume={missing}")
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert proc.returncode == 5 and errors == [f"error: {missing}: no such checkpoint folder"]
 
 
 def test_resume_under_another_dp_size(tmp_path, tmp_path_factory, demo_data_dir):
@@ -109,3 +115,62 @@ def test_every_replica_lost_recovers_from_disk_in_the_same_launch(tmp_path, demo
     assert [m["step"] for m in res.metrics()] == list(range(20))  # rows 5-7 logged once
     digests = res.state_digests()
     assert len({d["model"] for d in digests.values()}) == 1 and len(digests) == 2
+
+
+def _recommit_unloadable(folder: Path) -> None:
+    """Cut the shards short and commit them again: every checksum holds, the load fails."""
+    marker = layout.validate(folder)
+    for shard in folder.glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    extra = {k: v for k, v in marker.items() if k not in ("next_step", "files", "identity")}
+    extra.pop("marker_sha256")
+    layout.write_marker(folder, marker["next_step"], extra, identity=marker["identity"])
+
+
+def test_a_rollback_is_a_new_lineage_that_prune_and_auto_resume_keep_to(tmp_path, demo_data_dir):
+    run = tmp_path / "run"
+    ckpts = run / "checkpoints"
+    ck = ("checkpoint.interval=5",)
+    first = _train(run, demo_data_dir, 20, *ck, "checkpoint.keep_latest=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(p.name for p in layout.candidates(ckpts)) == [
+        f"step_{s:08d}" for s in (10, 15, 20)
+    ]
+
+    # roll back to step 10 with another learning rate, keep only the newest: train to 18
+    lr = "training.lr=0.002"
+    back = ckpts / "step_00000010"
+    rolled = _train(
+        run, demo_data_dir, 18, *ck, lr, f"checkpoint.resume={back}", "checkpoint.keep_latest=1"
+    )
+    assert rolled.returncode == 0, rolled.stderr[-3000:]
+    assert "a rollback/branch at step 10: new lineage" in rolled.stdout
+    assert "training.lr: 0.003 -> 0.002" in rolled.stdout
+    left = sorted(p.name for p in layout.candidates(ckpts))
+    assert left == ["step_00000018", "step_00000020"]  # 18 kept; the abandoned 20 not deleted
+    assert (ckpts / "abandoned").is_dir()  # line 1's step 15 moved aside for line 2's
+
+    # the same command with resume=auto continues line 2 at 18, never line 1's step 20
+    again = _train(run, demo_data_dir, 22, *ck, lr)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step_00000018 at step 18" in again.stdout
+    assert "step_00000020 belong to an abandoned lineage" in again.stdout
+    assert _losses(run)[0] == list(range(22))  # one line: no gap, no rows of line 1 after 10
+    losses = _losses(run)[1]
+    assert len(json.loads((run / "identity.json").read_text())["lineage"]) == 2
+
+    # a checkpoint that passes its checksums but does not load: the next older one is used
+    _recommit_unloadable(ckpts / "step_00000022")
+    fallback = _train(run, demo_data_dir, 24, *ck, lr)
+    assert fallback.returncode == 0, fallback.stderr[-3000:]
+    assert "skipping disk step 22: cannot load" in fallback.stdout
+    assert "step_00000020 at step 20" in fallback.stdout
+    assert _losses(run)[1][:20] == losses[:20] and _losses(run)[0] == list(range(24))
+
+    # nothing loads: CHECKPOINT_ERROR naming what was tried, never a fresh start
+    for common in ckpts.glob("step_*/common.pt"):
+        common.write_bytes(common.read_bytes()[::-1])
+    broken = _train(run, demo_data_dir, 26, *ck, lr)
+    errors = [x for x in broken.stderr.splitlines() if x.startswith("error: ")]
+    assert broken.returncode == 5 and len(errors) == 1, broken.stderr[-3000:]
+    assert "tried disk step 24, disk step 22" in errors[0]

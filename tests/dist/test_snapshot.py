@@ -5,8 +5,10 @@
 - Three simulated nodes, every trainer killed, then one node's memory and snapshot process lost:
   the replacement snapshot process rebuilds that node's snapshot from its peers' XOR parity.
 - Checkpoint-restart mode (the baseline): one death restarts every rank from the snapshot.
-- A corrupt byte in the snapshot is detected and the disk checkpoint of the same step is used; a
-  snapshot or checkpoint of another model shape is refused with CHECKPOINT_ERROR.
+- A corrupt byte in the snapshot, or a header that claims another step, is detected and the disk
+  checkpoint of the same step is used; state of another config is refused with CHECKPOINT_ERROR.
+- A stale snapshot of another run left in shared memory (the launcher was stopped, the run
+  directory deleted) is never resumed by a new run in the same directory (issue 15).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import time
 import uuid
@@ -22,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mecefo.errors import ExitCode
-from megatron_mecefo.snapshot.slots import HEADER, SlotPair
+from megatron_mecefo.snapshot.slots import HEADER, SlotFile, SlotPair
 from tests.helpers.cli import metric_rows
 from tests.helpers.cli import run_train as _train
 from tests.helpers.launch import launch, launch_nodes
@@ -148,18 +151,59 @@ def test_corrupt_snapshot_falls_back_to_disk_and_a_wrong_shape_is_refused(
     assert first.returncode == 0, first.stderr[-2000:]
     pair = SlotPair(node_dir(SnapshotConfig(), str(run)), 0)
     assert sorted(pair.clean_steps()) == [7, 8]
-    for slot in pair.slots:  # one flipped byte in each slot's payload
-        raw = bytearray(slot.path.read_bytes())
-        raw[HEADER + 4000] ^= 0x10
-        slot.path.write_bytes(raw)
+    # issue 15: step 8's header claims step 40 (only the step field changed); step 7's payload
+    # has a flipped byte. Neither may be used: the disk checkpoint of step 8 is.
+    raw = bytearray(pair.clean_steps()[8].path.read_bytes())
+    struct.pack_into("<q", raw, 20, 40)
+    pair.clean_steps()[8].path.write_bytes(raw)
+    raw = bytearray(pair.clean_steps()[7].path.read_bytes())
+    raw[HEADER + 4000] ^= 0x10
+    pair.clean_steps()[7].path.write_bytes(raw)
 
     second = _train(run, demo_data_dir, 12, *extra)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert "snapshot step 8: " in second.stdout and "CRC mismatch" in second.stdout
+    assert "skipping snapshot step 40: " in second.stdout and "CRC mismatch" in second.stdout
     assert "recovered the state of step 8 from disk checkpoint" in second.stdout
     assert _losses(run) == _losses(tmp_path / "ref")
 
     wider = _train(run, demo_data_dir, 16, *extra, "model.ffn_hidden_size=96")
     assert wider.returncode == ExitCode.CHECKPOINT_ERROR, wider.stdout[-2000:]
-    assert "no saved state that every rank can load" in wider.stderr
-    assert "shape" in wider.stdout + wider.stderr
+    error = [x for x in wider.stderr.splitlines() if x.startswith("error: ")]
+    assert len(error) == 1 and "model.ffn_hidden_size: 172 -> 96" in error[0], wider.stderr
+    assert "resume=auto never loads another config's state" in error[0]
+    assert "snapshot step 12: snapshot of run" in wider.stdout  # its snapshots: ignored too
+
+
+# ---------------------------------------------------------------- state identity (issue 15)
+def test_a_stale_snapshot_of_another_run_is_never_resumed(tmp_path, demo_data_dir, shm_root):
+    def stop_mid_run(proc, run_dir):  # SIGTERM to mecefo-launch: the slots stay in memory
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and proc.poll() is None:
+            path = run_dir / "metrics.jsonl"
+            if path.exists() and path.read_text().count("\n") >= 4:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+
+    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.snapshot.paths import run_snapshot_root
+
+    shm = run_snapshot_root(SnapshotConfig(), str(tmp_path / "run"))
+    old = launch(
+        tmp_path, demo_data_dir, nproc=2, steps=400, overrides=SNAP, while_running=stop_mid_run
+    )
+    try:
+        assert old.returncode != 0, old.explain()
+        slots = sorted(shm.glob("node*/rank*.slot*"))
+        stale = {SlotFile(p).header().step for p in slots}
+        assert len(slots) == 4 and min(stale) >= 3, (stale, old.explain())
+        shutil.rmtree(old.run_dir)
+
+        other = (*SNAP, "training.seed=7", "training.lr=0.002")
+        new = launch(tmp_path, demo_data_dir, nproc=2, steps=6, overrides=other)
+        assert new.returncode == 0, new.explain()
+        assert [m["step"] for m in new.metrics()] == list(range(6))  # every step, from 0
+        assert new.output.count(": ignored") >= 4, new.explain()  # each rank, each slot
+        assert "snapshot of run " in new.output and "recovered the state" not in new.output
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

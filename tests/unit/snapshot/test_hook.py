@@ -12,6 +12,7 @@ import torch
 from megatron_mecefo.snapshot.config import SnapshotConfig
 from megatron_mecefo.snapshot.hook import SnapshotHook
 from megatron_mecefo.snapshot.slots import SlotPair
+from megatron_mecefo.training.identity import StateIdentity
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,15 +40,19 @@ def _train_step(engine):
 def test_snapshot_holds_the_state_of_its_save_point(tmp_path):
     engine = _engine()
     _train_step(engine)
-    hook = SnapshotHook(SnapshotConfig(interval=1), tmp_path, 0, max_steps=100, log=print)
+    identity = StateIdentity("run", "cfg", ("line@0",))
+    hook = SnapshotHook(
+        SnapshotConfig(interval=1), tmp_path, 0, max_steps=100, log=print, identity=identity
+    )
     hook.attach(engine)
     expected = {k: v.clone() for k, v in engine.ddp.module.state_dict().items()}
     hook.save(engine, 1)
     _train_step(engine)  # waits for the copy before it updates the weights
     hook.wait_done()
     assert not torch.equal(engine.ddp.module.weight, expected["weight"])
-    step, state = SlotPair(tmp_path, 0).newest()
-    assert step == 1
+    step, state = SlotPair(tmp_path, 0).newest(check=identity.snapshot_mismatch)
+    assert step == 1 and state["next_step"] == 1
+    assert SlotPair(tmp_path, 0).clean()[0][0].meta == identity.slot_meta()
     for name, tensor in expected.items():
         assert torch.equal(state["model"][name], tensor)
     assert state["optimizer"]["state"][0]["exp_avg"].shape == (64, 64)

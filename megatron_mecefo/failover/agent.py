@@ -487,6 +487,17 @@ def _start_coordinator(
     return proc, int(port_file.read_text())
 
 
+def stop_coordinator(proc: subprocess.Popen) -> None:
+    """It exits by itself once every agent has left; an agent that was SIGKILLed never says so,
+    so after a short wait it is told to stop (it drains its events first), then killed."""
+    for wait_s, then in ((3.0, proc.terminate), (20.0, proc.kill), (None, None)):
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            then()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     coordinator = None
@@ -506,11 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         code = agent.run()
     finally:
         if coordinator is not None:
-            try:
-                coordinator.wait(10)  # it exits once every agent has left
-            except subprocess.TimeoutExpired:
-                coordinator.terminate()
-                coordinator.wait(10)
+            stop_coordinator(coordinator)
     if code == ExitCode.OK and agent.snapshot_dir is not None:
         shutil.rmtree(agent.snapshot_dir, ignore_errors=True)  # the job is done: free the memory
         with contextlib.suppress(OSError):  # the run's folder, once the last node's is gone

@@ -134,16 +134,14 @@ def _start(cmd: list[str]) -> subprocess.Popen:
 
 
 def _stop_child(child: subprocess.Popen) -> None:
-    """Let the coordinator drain its last events (it exits once every agent left), then stop."""
-    try:
-        child.wait(5)
-    except subprocess.TimeoutExpired:
+    """Stop the coordinator (SIGTERM: it drains its last events), then kill it if it lingers."""
+    if child.poll() is None:
         child.terminate()
-        try:
-            child.wait(5)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            child.wait()
+    try:
+        child.wait(10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 if __name__ == "__main__":

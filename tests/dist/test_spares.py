@@ -29,7 +29,7 @@ def _kill_node(agent) -> None:
             pass
 
 
-def test_lost_node_is_replaced_by_a_standby(tmp_path, demo_data_dir):
+def test_lost_node_is_replaced_by_a_standby(tmp_path):
     steps = 80
 
     def lose_node1(procs, run_dir):
@@ -42,7 +42,7 @@ def test_lost_node_is_replaced_by_a_standby(tmp_path, demo_data_dir):
 
     res = launch_nodes(
         tmp_path,
-        demo_data_dir,
+        str(tmp_path / "fresh_demo"),  # built at start by whichever builder takes the lock first
         nnodes=2,
         nproc_per_node=2,
         standby=1,

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mecefo.errors import ExitCode
-from megatron_mecefo.snapshot.slots import HEADER, SlotFile, SlotPair
+from megatron_mecefo.snapshot.slots import CLEAN, HEADER, SlotFile, SlotPair
 from tests.helpers.cli import metric_rows
 from tests.helpers.cli import run_train as _train
 from tests.helpers.launch import launch, launch_nodes
@@ -195,8 +195,8 @@ def test_a_stale_snapshot_of_another_run_is_never_resumed(tmp_path, demo_data_di
     try:
         assert old.returncode != 0, old.explain()
         slots = sorted(shm.glob("node*/rank*.slot*"))
-        stale = {SlotFile(p).header().step for p in slots}
-        assert len(slots) == 4 and min(stale) >= 3, (stale, old.explain())
+        heads = [SlotFile(p).header() for p in slots]  # two per rank, one may be mid-copy
+        assert len(slots) == 4 and sum(h.state == CLEAN for h in heads) >= 2, old.explain()
         shutil.rmtree(old.run_dir)
 
         other = (*SNAP, "training.seed=7", "training.lr=0.002")

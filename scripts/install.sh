@@ -1,29 +1,48 @@
 #!/bin/bash
-# Create .venv (if missing) and install megatron-mecefo with its pinned dependencies.
+# Create .venv (if missing) and install megatron-mecefo for CPU development and CI.
 #   bash scripts/install.sh            # runtime + dev (tests) extras
-# torch==2.13.0 is installed FIRST and pinned: any looser torch pulls a multi-GB CUDA build.
-# Re-running is cheap: the install is skipped while pyproject.toml is unchanged.
+#   MECEFO_EXTRAS=dev,tensorboard bash scripts/install.sh
+# pyproject.toml declares ranges only. The exact versions CI tests are in .ci/constraints.txt:
+#   1. torch (its pin in the constraints file) is installed FIRST from the PyTorch CPU index
+#      (MECEFO_TORCH_INDEX; a matching local wheel from pip's find-links also does), then checked
+#      to be a CPU build: PyPI's Linux torch is the CUDA build (gigabytes of CUDA packages);
+#   2. the package and its extras under `pip -c .ci/constraints.txt`, so nothing replaces torch.
+# On a GPU machine do not use this script: install into the environment that has the site's (or
+# the NGC image's) torch with `pip install -e '.[gpu]'` (README.md, "GPU quick start").
+# Re-running is cheap: the install is skipped while pyproject.toml and the constraints are unchanged.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${MECEFO_VENV:-.venv}"
 EXTRAS="${MECEFO_EXTRAS:-dev}"
+CONSTRAINTS="${MECEFO_CONSTRAINTS:-.ci/constraints.txt}"
+MECEFO_TORCH_INDEX="${MECEFO_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 
+torch_pin="$(grep -E '^torch==' "${CONSTRAINTS}" || true)"
+if [ -z "${torch_pin}" ]; then
+  echo "[install] error: ${CONSTRAINTS} has no torch==VERSION line" >&2
+  exit 2
+fi
 if [ ! -x "${VENV}/bin/python" ]; then
   echo "[install] creating ${VENV} with $(${PYTHON} --version)"
   "${PYTHON}" -m venv "${VENV}"
 fi
 stamp="${VENV}/.mecefo-installed"
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)-${EXTRAS}"
+want="$(cat pyproject.toml "${CONSTRAINTS}" | sha256sum | cut -d' ' -f1)-${EXTRAS}"
 if [ -f "${stamp}" ] && [ "$(cat "${stamp}")" = "${want}" ]; then
   echo "[install] up to date (${VENV})"
   exit 0
 fi
 pip_args=(--disable-pip-version-check --quiet)
-echo "[install] torch==2.13.0 (CPU wheel where available)"
-"${VENV}/bin/python" -m pip install "${pip_args[@]}" "torch==2.13.0"
-echo "[install] megatron-mecefo[${EXTRAS}] and pinned dependencies"
-"${VENV}/bin/python" -m pip install "${pip_args[@]}" -e ".[${EXTRAS}]"
+echo "[install] ${torch_pin} (CPU build, from ${MECEFO_TORCH_INDEX} or a local wheel)"
+"${VENV}/bin/python" -m pip install "${pip_args[@]}" --index-url "${MECEFO_TORCH_INDEX}" "${torch_pin}"
+if [[ "${MECEFO_TORCH_INDEX}" == */cpu ]] &&
+  ! "${VENV}/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
+  echo "[install] error: a CUDA build of torch is installed in ${VENV}; CI wants the CPU one" >&2
+  exit 1
+fi
+echo "[install] megatron-mecefo[${EXTRAS}] under ${CONSTRAINTS}"
+"${VENV}/bin/python" -m pip install "${pip_args[@]}" --constraint "${CONSTRAINTS}" -e ".[${EXTRAS}]"
 echo "${want}" > "${stamp}"
 echo "[install] done"

@@ -298,7 +298,10 @@ class Faults:
         now = time.monotonic()
         for when, what, target in [t for t in self.timers if t[0] <= now]:
             self.timers.remove((when, what, target))
-            self._cont(target) if what == "cont" else self._unhog()
+            if what == "cont":
+                self._cont(target)
+            else:
+                self._unhog()
         for fault in list(self.pending):
             ready = self.probe.generation() >= 1 if fault.at == "start" else step >= fault.step
             if not ready:
@@ -450,6 +453,7 @@ def judge(job: Job, probe: Probe, faults: Faults, hang: str | None) -> dict:
     _remove_shm(job)
     code_set = sorted({c for c in codes.values() if c is not None})
     why = "; ".join(acceptable[c] for c in code_set if c in acceptable and c != 0)
+    why = "" if violations else why
     if violations:
         outcome = "FAIL"
     elif why:

@@ -355,9 +355,12 @@ class Coordinator:
                 return  # restart everyone together, so they resume from one state
         if not removed and not added:
             return
-        members = tuple(sorted((set(self.members) - set(removed)) | set(added)))
+        survivors = set(self.members) - set(removed)
+        members = tuple(sorted(survivors | set(added)))
         if removed:
             self._report_failures(removed, now)
+        if removed and not survivors:  # joiners hold no state: every replica with state is lost
+            members = ()
         if not members:
             if not recovery["recoverable"]:
                 self._abort(

@@ -205,3 +205,37 @@ def test_restart_keeps_the_start_deadline(store):
     second.tick()  # no rank registered within 0.5 s of the FIRST start: abort, not a new clock
     assert store.check([keys.ABORT])
     assert isinstance(second, Coordinator)
+
+
+@pytest.mark.parametrize("recoverable", [False, True])
+def test_the_last_holder_of_state_dying_while_a_replica_rejoins_is_every_replica_lost(
+    store, recoverable
+):
+    """Replica 1 died and its restart is ready to join when replica 0, the only one with state,
+    dies too: a generation of the stateless joiner alone would have nobody to learn from. It is
+    the every-replica-lost case: abort (with its event) without saved state, else recover."""
+    from tests.unit.failover.test_coordinator import _recovery
+
+    c = make(store, world=2)
+    if recoverable:
+        _recovery(store)
+    for r in range(2):
+        register(store, r, world=2)
+    c.tick()
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    assert members(store) == (2, [0])
+    register(store, 1, inc=1, world=2)
+    store.add(keys.heartbeat(1), 1)
+    keys.report_dead(store, 0, 0)
+    c._ticks |= 1  # the next tick reads heartbeats: rank 1 is ready as rank 0 is removed
+    c.tick()
+    if not recoverable:
+        assert store.check([keys.ABORT])
+        assert any(e["type"] == "abort" for e in posted_events(store))
+        return
+    assert not store.check([keys.ABORT]) and c.members == ()
+    register(store, 0, inc=1, world=2)
+    run_ticks(c, store, beating=(0, 1), seconds=0.2)
+    record = json.loads(store.get(keys.gen_record(keys.get_int(store, keys.GEN))))
+    assert record["members"] == [0, 1] and record["reason"] == "recover"

@@ -24,7 +24,8 @@ class ExitCode(enum.IntEnum):
     CHECKPOINT_ERROR = 5
     """No valid checkpoint or snapshot to resume from."""
     COORDINATOR_LOST = 6
-    """The failover coordinator died or became unreachable: every rank aborts (no hang)."""
+    """The job's store (served by `mecefo-coordinator`) is gone or unreachable: every rank aborts
+    (no hang). A coordinator process that dies is restarted in place and does not cause this."""
     REJOIN = 7
     """This rank left the membership (fenced, or its replica lost a TP peer); the per-node agent
     restarts it and it rejoins from a live peer's state."""

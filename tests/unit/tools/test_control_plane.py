@@ -1,0 +1,278 @@
+"""`tools/bench/control_plane.py`, its pure parts: the protocol's request counts, the node and
+generation formats it writes, the O(N) checks of `LinearCoordinator` against the originals, and
+`AggregatedCoordinator` (mode b) driven over an in-memory store: it forms generations, removes an
+exited rank's replica, and its requests per tick do not grow with the number of ranks (today's
+coordinator's do). No store server or process starts here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig, _parse_progress
+from megatron_mecefo.failover.liveness import NodeWatch, node_key
+
+ROOT = Path(__file__).resolve().parents[3]
+pytestmark = pytest.mark.timeout(60)
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location(
+        "bench_control_plane", ROOT / "tools/bench/control_plane.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_control_plane"] = mod  # dataclasses resolve annotations through sys.modules
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cp = _load_tool()
+
+
+class MemStore:
+    """The TCPStore calls the coordinator makes, on a dict (get of a missing key raises)."""
+
+    def __init__(self):
+        self.data: dict[str, bytes] = {}
+
+    def check(self, names):
+        return all(k in self.data for k in names)
+
+    def get(self, key):
+        return self.data[key]
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def add(self, key, n):
+        value = int(self.data.get(key, b"0")) + n
+        self.data[key] = str(value).encode()
+        return value
+
+    def append(self, key, value):
+        self.data[key] = self.data.get(key, b"") + value.encode()
+
+    def multi_get(self, names):
+        return [self.data[k] for k in names]
+
+    def multi_set(self, names, values):
+        for k, v in zip(names, values):
+            self.set(k, v)
+
+    def compare_set(self, key, expected, desired):
+        current = self.data.get(key)
+        if (current is None and expected == "") or current == expected.encode():
+            self.set(key, desired)
+            return desired.encode()
+        return expected.encode() if current is None else current
+
+    def delete_key(self, key):
+        return self.data.pop(key, None) is not None
+
+
+# ------------------------------------------------------------------------------ request counts
+def test_offered_rps_counts_every_request_of_each_protocol():
+    layout = cp.Layout(16384, 8)
+    a = cp.offered_rps("a", layout, step_s=2.0)
+    # per rank: 5 requests a beat every 0.2 s + 2 progress sets a 2 s step
+    assert a["ranks"] == pytest.approx(16384 * (5 / 0.2 + 2 / 2.0))
+    # per node: check DONE, check STOP, get node_owner, set node/<i>, 8 evict checks; every 0.1 s
+    assert a["agents"] == pytest.approx(2048 * 12 / 0.1)
+    assert a["total"] == pytest.approx(671744)
+    b = cp.offered_rps("b", layout, step_s=2.0)
+    assert b == {"ranks": 0.0, "agents": pytest.approx(40960), "total": pytest.approx(40960)}
+    with pytest.raises(ValueError):
+        cp.offered_rps("c", layout, step_s=2.0)
+
+
+def test_server_cores_is_offered_load_times_cost():
+    assert cp.server_cores(100_000, 8.0) == pytest.approx(0.8)
+    assert cp.server_cores(100_000, None) is None
+
+
+def test_live_nodes_are_bounded_and_every_node_has_one_worker():
+    layout = cp.Layout(16384, 8)
+    per_node_a = cp.offered_rps("a", layout, step_s=2.0)["total"] / layout.nodes
+    assert cp.live_nodes("a", layout, step_s=2.0, client_rps=20000) == int(20000 // per_node_a)
+    assert cp.live_nodes("b", layout, step_s=2.0, client_rps=1e9) == layout.nodes
+    assert cp.live_nodes("a", layout, step_s=2.0, client_rps=1) == 4
+    plan = cp.assign_nodes(layout, 60, 3)
+    nodes = [n for part in plan for n in part["live"] + part["bulk"]]
+    assert sorted(nodes) == list(range(layout.nodes))
+    assert [len(part["live"]) for part in plan] == [20, 20, 20]
+
+
+def test_percentile_and_tick_summary():
+    assert cp.percentile([], 50) is None
+    assert cp.percentile([3, 1, 2, 4], 50) == 2
+    assert cp.percentile(range(1, 101), 99) == 99
+    # (start, wall, reads heartbeats, requests, store s, cpu s)
+    ticks = [(0.0, 0.03, True, 12, 0.01, 0.02), (0.05, 0.01, False, 3, 0.0, 0.01)]
+    ticks += [(0.2, 0.05, True, 14, 0.02, 0.04), (0.25, 0.01, False, 3, 0.0, 0.01)]
+    out = cp.tick_summary(ticks)
+    assert out["hb_tick_s"]["max"] == 0.05
+    assert out["hb_tick_cpu_s"]["p50"] == 0.02
+    assert out["light_tick_s"]["p50"] == 0.01
+    assert out["hb_read_period_s"]["p50"] == pytest.approx(0.2)
+    assert out["requests_per_hb_tick"] == 12
+
+
+# ---------------------------------------------------------------------------------- formats
+def test_generation_record_is_what_the_coordinator_publishes():
+    store = MemStore()
+    coord = Coordinator(store, 64, DetectorConfig(), log=lambda m: None)
+    coord.tp = 8
+    for st in coord.ranks.values():
+        st.incarnation = 0  # registered
+    coord._publish(tuple(range(8)), removed=(), added=(), reason="start")
+    published = json.loads(store.get(keys.gen_record(1)))
+    ours = json.loads(cp.generation_record(cp.Layout(64, 8)))
+    assert ours.keys() == published.keys()
+    assert ours["members"] == published["members"]
+    assert ours["incarnations"] == {str(k): v for k, v in published["incarnations"].items()}
+    raw = cp.generation_record(cp.Layout(16384, 8))
+    assert 150_000 < len(raw) < 250_000  # what each of 16k trainers reads at a new generation
+    assert cp.removed_replicas(raw) == []
+    assert cp.removed_replicas(json.dumps({"members": [0, 2], "removed": [1, 3]})) == [1, 3]
+
+
+def test_node_reports_in_both_formats():
+    inc = {8: 2}
+    a = cp.report_template("a", [8, 9], inc) % {"seq": "2:5", "hb": 7, "progress": "3:compute"}
+    watch = NodeWatch(5.0)
+    watch.update(1, a, now=10.0)  # the liveness format the real coordinator reads
+    assert watch.node_of == {8: 1, 9: 1}
+    assert json.loads(a)["ranks"]["8"][0] == 2
+    b = json.loads(
+        cp.report_template("b", [8, 9], inc) % {"seq": "2:5", "hb": 7, "progress": "3:reduce"}
+    )
+    assert b["seq"] == "2:5"
+    assert b["ranks"]["8"][4:] == [7, "2:3:reduce"]
+    assert b["ranks"]["9"][4:] == [7, "0:3:reduce"]
+    assert cp.progress_now(100.0, 2.0, 105.0) == "2:compute"
+    assert cp.progress_now(100.0, 2.0, 105.6) == "2:reduce"
+
+
+# ------------------------------------------------------------------- coordinator variants
+def test_linear_checks_answer_as_the_originals():
+    rng = random.Random(7)
+    for trial in range(30):
+        world = 32
+        orig = Coordinator(MemStore(), world, DetectorConfig(), log=lambda m: None)
+        lin = cp.LinearCoordinator(MemStore(), world, DetectorConfig(), log=lambda m: None)
+        now = 1000.0
+        members = tuple(sorted(rng.sample(range(8), rng.randint(0, 8))))
+        for c in (orig, lin):
+            c.tp, c.members = 4, members
+        texts = {}
+        for r in range(world):
+            step = rng.choice([5, 6, 7]) if trial % 3 else 6
+            phase = rng.choice(["compute", "reduce", "idle"])
+            texts[r] = f"0:{step}:{phase}"
+            changed = now - rng.choice([1.0, 20.0])
+            hb = rng.choice([-1, 3])
+            inc, evicted = rng.choice([(0, -1), (1, 0), (0, 0), (-1, -1)])
+            for c in (orig, lin):
+                st = c.ranks[r]
+                st.progress, st.progress_changed = texts[r], changed
+                st.hb_value, st.hb_changed = hb, now - rng.choice([0.5, 5.0]) if hb >= 0 else now
+                st.incarnation, st.evicted_incarnation = inc, evicted
+        progress = {r: _parse_progress(t) for r, t in texts.items()}
+        for r in range(world):
+            assert lin._is_hung(r, progress, now) == orig._is_hung(r, progress, now)
+        for rep in range(8):
+            assert lin._ready_to_join(rep, now) == orig._ready_to_join(rep, now)
+
+
+def _mode_b(tmp_path: Path, ranks: int, cls=None):
+    layout = cp.Layout(ranks, 8)
+    store = cp.CountingStore(MemStore())
+    cp._populate(store, "b", layout, str(tmp_path), 8)
+    cls = cls or cp.AggregatedCoordinator
+    coord = cls(store, ranks, DetectorConfig(grace_s=0.0), log=lambda m: None)
+    coord.restore()
+    return layout, store, coord
+
+
+def test_aggregated_coordinator_forms_generations_and_removes_an_exited_rank(tmp_path):
+    layout, store, coord = _mode_b(tmp_path, 64)
+    coord.tick()
+    assert coord.gen == 1 and coord.members == tuple(range(8))
+    assert coord.ranks[9].node == 1 and coord.ranks[9].hb_value == 0
+    # node 1's agent reports a beat: the coordinator reads it from the node report alone
+    beat = cp.report_template("b", list(layout.node_ranks(1)), {}) % {
+        "seq": "2:1",
+        "hb": 5,
+        "progress": "0:compute",
+    }
+    store.set(node_key(1), beat)
+    coord.tick()
+    coord.tick()
+    assert coord.ranks[9].hb_value == 5 and coord.ranks[9].progress == "0:0:compute"
+    # rank 10 exits: its agent reports it (dead key, then the log, then the counter)
+    store.set(keys.dead(10), f"0:{time.time()}")
+    store.append(cp.DEAD_LOG, "10,")
+    store.add(keys.DEAD_SEQ, 1)
+    coord.tick()
+    assert coord.gen == 2 and 1 not in coord.members
+    record = json.loads(store.get(keys.gen_record(2)))
+    assert record["removed"] == [1] and record["reason"] == "failure"
+    # rank 10 comes back with incarnation 1 (registration log, then the counter)
+    reg = json.loads(store.get(keys.registration(10)))
+    store.set(keys.registration(10), json.dumps({**reg, "incarnation": 1}))
+    for r in layout.node_ranks(1):
+        if r != 10:
+            store.set(keys.registration(r), json.dumps({**reg, "incarnation": 1}))
+    store.append(cp.REG_LOG, "".join(f"{r}," for r in layout.node_ranks(1)))
+    store.add(keys.REG_SEQ, 1)
+    back = cp.report_template(
+        "b", list(layout.node_ranks(1)), dict.fromkeys(layout.node_ranks(1), 1)
+    )
+    store.set(node_key(1), back % {"seq": "2:2", "hb": 1, "progress": "1:compute"})
+    for _ in range(2):
+        coord.tick()
+    assert coord.gen == 3 and 1 in coord.members
+
+
+def _hb_tick_requests(coord, store) -> int:
+    coord.tick()  # the first generation
+    coord.tick()  # the first death-report scan (today's: one check per rank, once)
+    counts = []
+    for _ in range(2):
+        before = store.requests
+        coord.tick()
+        counts.append(store.requests - before)
+    return max(counts)  # the tick that reads heartbeats
+
+
+def test_aggregated_reads_do_not_grow_with_ranks_but_todays_do(tmp_path):
+    small = _hb_tick_requests(*reversed(_mode_b(tmp_path, 64)[1:]))
+    large = _hb_tick_requests(*reversed(_mode_b(tmp_path, 512)[1:]))
+    assert small == large < 20
+    # today's coordinator (mode a keys): one check per node report and one per agent id, per read
+    counts = {}
+    for ranks in (64, 512):
+        store = cp.CountingStore(MemStore())
+        cp._populate(store, "a", cp.Layout(ranks, 8), str(tmp_path), 8)
+        coord = Coordinator(store, ranks, DetectorConfig(), log=lambda m: None)
+        coord.restore()
+        counts[ranks] = _hb_tick_requests(coord, store)
+    assert counts[512] - counts[64] == 2 * (512 - 64) // 8
+
+
+def test_tables_render_missing_values(tmp_path):
+    rows = [
+        {"mode": "a", "ranks": 1024, "error": "no first generation within 120 s"},
+        {"mode": "b", "ranks": 1024, "live_ranks": 1024, "silent": {"detection_s": 3.2}},
+    ]
+    text = cp.format_tables(rows)
+    assert "no first generation" in text and "3.20" in text and "n/a" in text
+    real = cp.format_real([{"nproc": 32, "skipped": "needs ~14 GB"}])
+    assert "needs ~14 GB" in real

@@ -143,6 +143,7 @@ class FailoverManager(TrainHook):
             "rejoin_bytes": 0,
             "rejoin_s": None,
         }
+        self._done_checked = 0.0
         self._vote_times: list[float] = []  # commit vote wall time per step (incl. waiting)
         self._started = time.monotonic()
 
@@ -286,6 +287,7 @@ class FailoverManager(TrainHook):
         record["generation"] = m.generation
         record["replicas_alive"] = m.size
         record["global_microbatches"] = result.global_microbatches
+        record["job_degraded"] = bool(self._job_degraded)  # any replica ran degraded micro-batches
         if self.fcfg.audit and self.tp_rank == 0:
             self._log_tasks(engine, result.step, plan)
 
@@ -294,6 +296,9 @@ class FailoverManager(TrainHook):
 
     def on_step_aborted(self, engine, result) -> None:
         self.stats["steps_redone"] += 1
+        attempt = f"redone/{self.membership.generation}/{result.step}/{self.attempt}"
+        if self.store.add(attempt, 1) == 1:  # the job-wide count, once per aborted attempt
+            self.store.add(keys.STEPS_REDONE, 1)
 
     def on_train_end(self, engine, summary: dict[str, Any]) -> None:
         if self.fcfg.audit:
@@ -577,6 +582,11 @@ class FailoverManager(TrainHook):
         latest = self.hb.latest_gen
         if latest > gen:
             raise _Superseded(latest)
+        now = time.monotonic()
+        if now - self._done_checked > 0.2:  # a late joiner: the others finished meanwhile
+            self._done_checked = now
+            if self.store.check([keys.DONE]):
+                raise JobDone()
         if time.monotonic() > deadline:
             raise QuorumTimeoutError(
                 f"generation {gen} did not form within {self.fcfg.regroup_timeout_s} s"
@@ -624,8 +634,13 @@ class FailoverManager(TrainHook):
             best, steps = self._exchange_steps(
                 self.next_step if self.has_state else -1, gen, deadline
             )
-        if best < 0:
-            raise JobAbortedError("no live replica holds the training state to rejoin from")
+        if best < 0:  # a joiner whose only source died mid-transfer, with nothing saved
+            reason = "no live replica holds the training state to rejoin from, and none is saved"
+            if self.store.compare_set(keys.ABORT, "", reason).decode() == reason:
+                keys.post_event(
+                    self.store, "abort", step=self.next_step, dp_rank=None, detail=reason
+                )
+            raise JobAbortedError(reason)
         if m.size == 1:
             return
         source = int((steps == best).nonzero()[0])
@@ -710,6 +725,8 @@ class FailoverManager(TrainHook):
 
         return {
             **self.stats,
+            "steps_redone": keys.get_int(self.store, keys.STEPS_REDONE),  # job-wide
+            "job_start_step": keys.get_int(self.store, keys.JOB_START_STEP),
             "failures": len(by_type.get("failure", [])),
             "rejoins": len(by_type.get("rejoin", [])),
             "detection_ms": latencies("detection"),

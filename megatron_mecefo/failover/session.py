@@ -18,6 +18,7 @@ from megatron_mecefo.errors import DistributedSetupError, ExitCode
 from megatron_mecefo.failover import inject, keys
 from megatron_mecefo.failover.manager import FailoverManager, JobDone
 from megatron_mecefo.mcore.parallel import resolve_backend
+from megatron_mecefo.metrics.summary import job_wide
 
 
 def init_replica_parallel(
@@ -142,6 +143,7 @@ def run_with_failover(cfg, args, say) -> int:
         run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=start_step > 0)
         layout = {"world_size": world, "dp_size": world // tp, "tp_size": tp, "backend": backend}
         run_dir.create(cfg, {**layout, "failover": True}, resume_step=start_step, identity=identity)
+        manager.store.set(keys.JOB_START_STEP, str(start_step))
         manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
     if start_step > 0:
         say(f"rank {rank} (incarnation {incarnation}) rejoined at step {start_step}", flush=True)
@@ -164,7 +166,13 @@ def run_with_failover(cfg, args, say) -> int:
     finally:
         logger.close()
         manager.close()
-    if manager.is_leader:
+    if manager.is_leader:  # a restarted leader saw part of the job: summarise all of it
+        summary = job_wide(
+            summary,
+            Path(cfg.run_dir) / "metrics.jsonl",
+            start_step=summary["failover"].pop("job_start_step"),
+            expected_microbatches=manager.num_replicas * cfg.training.num_microbatches,
+        )
         run_dir.write_summary(summary)
         from megatron_mecefo.train import print_summary
 

@@ -199,3 +199,19 @@ def test_no_false_death_on_a_loaded_machine(tmp_path, demo_data_dir):
     failures = [e for e in res.events() if e["type"] == "failure"]
     assert [e["ranks"] for e in failures] == [[1]], failures
     assert fo["failures"] == 1
+
+
+def test_summary_is_job_wide_after_the_leader_dies(tmp_path, demo_data_dir):
+    """Rank 0, the leader that writes metrics and the summary, is killed at step 6 and comes back:
+    the summary written at the end (by whichever rank leads then) covers the whole job and agrees
+    with metrics.jsonl and events.jsonl."""
+    from megatron_mecefo.metrics.summary import check_summary
+
+    steps = 30
+    res = launch(tmp_path, demo_data_dir, nproc=3, steps=steps, inject=("kill:0:6:3",))
+    fo = assert_recovered(res, steps=steps, replicas=3, world=3, min_rejoins=1)
+    summary = res.summary()
+    metrics = res.metrics()
+    assert summary["steps"] == steps and summary["first_loss"] == metrics[0]["loss"]
+    assert fo["steps_redone"] >= 1 and fo["steps_degraded"] >= 1
+    assert check_summary(res.run_dir) == []

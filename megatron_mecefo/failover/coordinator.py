@@ -128,7 +128,9 @@ class Coordinator:
         self.nodes = NodeWatch(cfg.agent_timeout_s)
         self.spares = SparePool(store, cfg.agent_timeout_s, log=log)
         self._node_ids: set[int] = set()
-        self._last_tick: float | None = None
+        self._last_tick: float | None = None  # when the previous tick ended
+        self._front: tuple[int, int] | None = None  # furthest (step, phase) among members
+        self._front_of: dict | None = None  # the progress map `_front` was computed from
         self._stale_inc: dict[int, int] = {}  # rank -> a dead incarnation still listed a member
         self.epoch = 0
 
@@ -147,9 +149,16 @@ class Coordinator:
     # ------------------------------------------------------------------ tick
     def tick(self) -> None:
         now = time.monotonic()
+        # the gap since the previous tick *ended*: a tick that is merely long (many ranks) is
+        # not a pause, and must not keep resetting the silence clocks
         if self._last_tick is not None and now - self._last_tick > PAUSE_S:
             self._forget_ages(now, f"the coordinator did not run for {now - self._last_tick:.1f} s")
-        self._last_tick = now
+        try:
+            self._tick(now)
+        finally:
+            self._last_tick = time.monotonic()
+
+    def _tick(self, now: float) -> None:
         self._ticks += 1
         self._read_registrations()
         if self._ticks % 2 == 0 or self.gen == 0:
@@ -333,10 +342,12 @@ class Coordinator:
         _, step, phase = progress[rank]
         if phase == "idle":  # joining / regrouping: bounded by the trainers' regroup timeout
             return False
-        mine = (step, _PHASE_ORDER.get(phase, -1))
-        ahead = any(
-            (s, _PHASE_ORDER.get(ph, -1)) > mine for r, (_, s, ph) in progress.items() if r != rank
-        )
+        if self._front_of is not progress:  # the furthest member: one pass per tick, not per rank
+            self._front_of = progress
+            self._front = max(
+                ((s, _PHASE_ORDER.get(ph, -1)) for _, s, ph in progress.values()), default=None
+            )
+        ahead = self._front is not None and self._front > (step, _PHASE_ORDER.get(phase, -1))
         return ahead and now - self.ranks[rank].progress_changed > self.hang_timeout_s()
 
     # ------------------------------------------------------------------ decisions

@@ -239,3 +239,21 @@ def test_the_last_holder_of_state_dying_while_a_replica_rejoins_is_every_replica
     run_ticks(c, store, beating=(0, 1), seconds=0.2)
     record = json.loads(store.get(keys.gen_record(keys.get_int(store, keys.GEN))))
     assert record["members"] == [0, 1] and record["reason"] == "recover"
+
+
+def test_a_long_tick_is_not_a_pause(store):
+    """At scale one tick can take over a second; measuring the pause from the previous tick's
+    start would reset every silence clock on every tick, and no silent rank would ever die."""
+    c = make(store, heartbeat_timeout_s=3.0)  # > 2 ticks: heartbeats are read every other one
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    slow = c._read_dead_reports
+
+    def long_read():
+        time.sleep(0.6)  # called twice a tick: every tick takes 1.2 s > PAUSE_S
+        slow()
+
+    c._read_dead_reports = long_read
+    run_ticks(c, store, beating=(0, 1, 3), seconds=6.0)
+    assert members(store) == (2, [0, 1, 3])

@@ -18,6 +18,11 @@ import traceback
 
 from megatron_mecefo.errors import ConfigError, ExitCode, MecefoError
 
+if __name__ == "__mp_main__":  # re-imported in a multiprocessing spawn child of a trainer
+    from megatron_mecefo.failover.lifecycle import die_with_parent
+
+    die_with_parent()  # megatron's persistent async checkpoint worker must not outlive its trainer
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -131,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine = build_engine(cfg, ctx, log=log)
         start_step = recovery.load(engine, ckpt) or 0
+        if start_step >= cfg.training.max_steps:  # nothing to run: leave the run dir untouched
+            say(already_complete(cfg, start_step), flush=True)
+            engine.close()
+            return ExitCode.OK
         snapshots.attach(engine)
         if run_dir is not None:
             run_dir.create(
@@ -172,19 +181,27 @@ def run(args: argparse.Namespace) -> int:
     return exit_code_of(summary)
 
 
+def already_complete(cfg, start_step: int) -> str:
+    """The one line a rerun of a finished run prints (it changes nothing)."""
+    return (
+        f"run {cfg.run_dir} is already complete at step {start_step} "
+        f"(training.max_steps={cfg.training.max_steps}): nothing to do; raise --max-steps to "
+        "train on, or pass overwrite=true with checkpoint.resume=never to start over"
+    )
+
+
 def exit_code_of(summary: dict) -> ExitCode:
     """OK, or PREEMPTED when the run stopped early on request (a final checkpoint was saved)."""
     return ExitCode.OK if summary.get("stopped_at") is None else ExitCode.PREEMPTED
 
 
 def _check_injections(args: argparse.Namespace, cfg) -> None:
-    """Validate --inject / --failures at dry-run time (the launcher's one-process check)."""
+    """Validate --inject / --failures at dry-run time (the launcher's one-process check; it
+    passes the job's world size in MECEFO_DRY_RUN_WORLD)."""
     from megatron_mecefo.failover import inject
 
-    for text in args.inject or []:
-        inject.parse_inject(text)
-    if args.failures:
-        inject.from_scenario(args.failures, cfg.parallel.tensor_model_parallel_size)
+    world = os.environ.get("MECEFO_DRY_RUN_WORLD")
+    inject.specs_of(args.inject, args.failures, cfg, int(world) if world else None)
 
 
 def print_summary(summary: dict, run_dir: str) -> None:
@@ -234,7 +251,8 @@ def _failover_crash_code(exc: Exception, rank: int) -> int:
         if removed is None:  # a genuine error here: tell the coordinator now, not by heartbeat
             keys.report_dead(store, rank, int(os.environ.get(keys.INCARNATION_ENV, 0)))
     except Exception:  # noqa: BLE001 - unreachable, whatever the error type
-        print(f"error: rank {rank}: coordinator unreachable ({exc})", file=sys.stderr, flush=True)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__  # no C++ frames
+        print(f"error: rank {rank}: coordinator unreachable ({first})", file=sys.stderr, flush=True)
         return int(ExitCode.COORDINATOR_LOST)
     if removed is not None:
         line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -245,6 +263,11 @@ def _failover_crash_code(exc: Exception, rank: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_mecefo.failover.lifecycle import die_with_parent
+
+    # whatever this process forks (megatron's async checkpoint writers) dies with it, even when
+    # it is SIGKILLed: no writer outlives its trainer holding files and pipes open
+    os.register_at_fork(after_in_child=die_with_parent)
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     failover = bool(os.environ.get("MECEFO_COORDINATOR"))

@@ -17,7 +17,8 @@ PYTHON="${PYTHON:-python}"
 MECEFO_OMP_THREADS="${MECEFO_OMP_THREADS:-1}"
 MECEFO_LAUNCHER="${MECEFO_LAUNCHER:-failover}"
 
-"${PYTHON}" -m megatron_mecefo.train --dry-run "$@" > /dev/null
+MECEFO_DRY_RUN_WORLD="$((NNODES * NPROC))" "${PYTHON}" -m megatron_mecefo.train --dry-run "$@" \
+  > /dev/null
 
 export OMP_NUM_THREADS="${MECEFO_OMP_THREADS}"
 case "${MECEFO_LAUNCHER}" in

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover import keys
+from megatron_mecefo.failover.lifecycle import die_with_parent
 from megatron_mecefo.failover.liveness import node_key, node_report
 from megatron_mecefo.snapshot.paths import NODE_DIR_ENV, SMP_ENV, node_dir
 
@@ -449,8 +450,11 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
 
 def _ignore_stop_signal() -> None:
     """Children start with SIGUSR1 ignored (a stop request to the whole Slurm step must not kill
-    a process before it installs its own handler; trainers install one, the rest ignore it)."""
+    a process before it installs its own handler; trainers install one, the rest ignore it), and
+    die with the agent: a SIGKILLed agent leaves no trainer, spare or snapshot process behind
+    (each in its own session, so no signal to the agent's group reaches them)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    die_with_parent()
 
 
 def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
@@ -498,8 +502,31 @@ def stop_coordinator(proc: subprocess.Popen) -> None:
             then()
 
 
+def check_injections(args: argparse.Namespace) -> str | None:
+    """A bad --inject/--failures for this job's size, as one line (None: fine, or a config error
+    the trainers report themselves)."""
+    from megatron_mecefo.errors import ConfigError
+    from megatron_mecefo.failover import inject
+    from megatron_mecefo.train import load_run_config
+    from megatron_mecefo.train import parse_args as trainer_parse_args
+
+    try:
+        targs = trainer_parse_args(list(args.trainer_args))
+        cfg = load_run_config(targs)
+        inject.specs_of(targs.inject, targs.failures, cfg, args.nnodes * args.nproc_per_node)
+    except ConfigError as exc:
+        return str(exc)
+    except (SystemExit, Exception):  # noqa: BLE001 - reported by the trainers
+        return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bad = check_injections(args)
+    if bad is not None:
+        print(f"error: {bad}", file=sys.stderr, flush=True)
+        return int(ExitCode.CONFIG_ERROR)
     coordinator = None
     address = args.coordinator
     if address is None:

@@ -67,9 +67,10 @@ class Heartbeat(threading.Thread):
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - any store failure counts as unreachable
                 if time.monotonic() - last_ok > self.coordinator_timeout_s:
+                    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     self._exit(
                         ExitCode.COORDINATOR_LOST,
-                        f"coordinator unreachable for {self.coordinator_timeout_s:.1f} s ({exc})",
+                        f"coordinator unreachable for {self.coordinator_timeout_s:.1f} s ({first})",
                     )
                 self._reconnect()
 

@@ -54,6 +54,8 @@ def parse_inject(text: str) -> InjectionSpec:
     usage = f"--inject {text!r}: expected KIND:RANK:STEP[:DOWN_STEPS] with KIND in {KINDS}"
     if len(parts) not in (3, 4) or parts[0] not in KINDS:
         raise ConfigError(usage)
+    if not all(p.isdigit() for p in parts[1:] if p != "rejoin"):  # int() would take " 1", "+1"
+        raise ConfigError(f"{usage}; RANK, STEP and DOWN_STEPS are plain numbers")
     try:
         step = parts[2]
         nums = [int(parts[1]), AT_REJOIN if step == "rejoin" else int(step)]
@@ -87,7 +89,32 @@ def from_scenario(path: str, tp_size: int) -> list[InjectionSpec]:
 def check_ranks(specs: list[InjectionSpec], world_size: int) -> None:
     for s in specs:
         if s.rank >= world_size:
-            raise ConfigError(f"injection {s} targets rank {s.rank}, but the job has {world_size}")
+            raise ConfigError(
+                f"--inject {s.kind}:{s.rank}:{s.step} targets rank {s.rank}, but the job has "
+                f"{world_size} ranks (0..{world_size - 1})"
+            )
+
+
+def specs_of(inject: list[str] | None, failures: str | None, cfg, world_size: int | None):
+    """Every injection of a command line, checked against the job: a malformed spec, a rank the
+    job does not have (`world_size`, when known) or a step it never reaches is a ConfigError."""
+    specs = [parse_inject(s) for s in inject or []]
+    if failures:
+        specs += from_scenario(failures, cfg.parallel.tensor_model_parallel_size)
+    if world_size is not None:
+        check_ranks(specs, world_size)
+    check_steps(specs, cfg.training.max_steps)
+    return specs
+
+
+def check_steps(specs: list[InjectionSpec], max_steps: int) -> None:
+    """An injection at a step the job never reaches would silently never fire."""
+    for s in specs:
+        if s.step >= max_steps:
+            raise ConfigError(
+                f"--inject {s.kind}:{s.rank}:{s.step} is at step {s.step}, but the job runs "
+                f"steps 0..{max_steps - 1} (training.max_steps={max_steps})"
+            )
 
 
 class Injector:

@@ -59,10 +59,7 @@ def run_with_failover(cfg, args, say) -> int:
         raise DistributedSetupError(
             f"world size {world} is not divisible by TP = {tp}; launch a multiple of {tp} ranks"
         )
-    specs = [inject.parse_inject(s) for s in args.inject or []]
-    if args.failures:
-        specs += inject.from_scenario(args.failures, tp)
-    inject.check_ranks(specs, world)
+    specs = inject.specs_of(args.inject, args.failures, cfg, world)
     backend = resolve_backend(cfg.parallel)
     from megatron_mecefo.training.stop import StopFlag
 
@@ -136,6 +133,12 @@ def run_with_failover(cfg, args, say) -> int:
         start_step = manager.join(engine)
     except JobDone:
         say(f"rank {rank}: the job finished before this rank could rejoin", flush=True)
+        return ExitCode.OK
+    if start_step >= cfg.training.max_steps:  # a rerun of a finished run: touch nothing
+        from megatron_mecefo.train import already_complete
+
+        if manager.is_leader:
+            say(already_complete(cfg, start_step), flush=True)
         return ExitCode.OK
     if manager.is_leader and not manager.store.check([keys.RUN_DIR]):
         # the first leader, whichever replica it is: a rank 0 that stalls or dies at start-up

@@ -122,6 +122,7 @@ def launch(
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True
         )
+        rc = None  # a failing `while_running` leaves it unset
         try:
             if while_running is not None:
                 while_running(proc, run_dir)

@@ -1,8 +1,7 @@
 """`tools/chaos.py` end to end: a short fixed-seed soak against real `mecefo-launch` jobs (2
-simulated nodes x 2 ranks, tiny model, 30 steps), every invariant checked by the tool. Only
-schedules the failover core survives today run here (3 jobs: ~2 minutes on this 2-core machine
-when it is quiet, up to ~4 under load); PENDING lists the others, to move into CASES once their
-fixes land (each ~30-60 s more)."""
+simulated nodes x 2 ranks, tiny model, 30 steps), every invariant checked by the tool. Six jobs
+(~4 minutes on this 2-core machine when it is quiet): rank faults, coordinator kill under a CPU hog,
+a restarted leader, an agent kill and a whole node lost."""
 
 from __future__ import annotations
 
@@ -26,20 +25,16 @@ CASES = [
     # seed 43, schedule 0: the coordinator SIGKILLed right after the first generation formed,
     # a busy loop on every core for 17 s, rank 2 SIGKILLed under it
     pytest.param("coordinator_kill,cpu_hog,kill,stop", 43, "0", id="coordinator-and-hog"),
+    # seed 4, schedule 2: an exception on rank 1 before step 0, then the leader (rank 0) killed:
+    # the summary, written by whichever rank leads at the end, covers the whole job
+    pytest.param("kill,stop,exception,smp_kill", 4, "2", id="leader-restarted"),
+    # seed 1, schedules 0-1: node 1's agent SIGKILLed (its ranks and snapshot process die with
+    # it: nothing left behind), then node 1 lost whole
+    pytest.param("agent_kill,node_loss", 1, "0,1", id="agent-and-node-loss"),
 ]
-PENDING = [  # move into CASES once the fix named in the reason has landed
-    pytest.param(
-        "kill,stop,exception,smp_kill", 4, "2", id="leader-restarted",
-        marks=pytest.mark.skip(reason="summary.json job-wide (restarted leader): in progress"),
-    ),
-    pytest.param(
-        "agent_kill,node_loss", 1, "0,1", id="agent-and-node-loss",
-        marks=pytest.mark.skip(reason="processes left when an agent dies: fix in progress"),
-    ),
-]  # fmt: skip
 
 
-@pytest.mark.parametrize(("kinds", "seed", "only"), CASES + PENDING)
+@pytest.mark.parametrize(("kinds", "seed", "only"), CASES)
 def test_chaos_soak_survives(tmp_path, demo_data_dir, kinds, seed, only):
     out = tmp_path / "chaos"
     cmd = [

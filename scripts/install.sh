@@ -3,9 +3,10 @@
 #   bash scripts/install.sh            # runtime + dev (tests) extras
 #   MECEFO_EXTRAS=dev,tensorboard bash scripts/install.sh
 # pyproject.toml declares ranges only. The exact versions CI tests are in .ci/constraints.txt:
-#   1. torch (its pin in the constraints file) is installed FIRST from the PyTorch CPU index
-#      (MECEFO_TORCH_INDEX; a matching local wheel from pip's find-links also does), then checked
-#      to be a CPU build: PyPI's Linux torch is the CUDA build (gigabytes of CUDA packages);
+#   1. torch (its pin in the constraints file) is installed FIRST, then checked to be a CPU build
+#      (PyPI's Linux torch is the CUDA build: gigabytes of CUDA packages). By default pip's own
+#      sources are used: on the project's machines a local CPU wheel in pip's find-links matches
+#      the pin. Elsewhere set MECEFO_TORCH_INDEX=https://download.pytorch.org/whl/cpu;
 #   2. the package and its extras under `pip -c .ci/constraints.txt`, so nothing replaces torch.
 # On a GPU machine do not use this script: install into the environment that has the site's (or
 # the NGC image's) torch with `pip install -e '.[gpu]'` (README.md, "GPU quick start").
@@ -17,7 +18,7 @@ PYTHON="${PYTHON:-python3}"
 VENV="${MECEFO_VENV:-.venv}"
 EXTRAS="${MECEFO_EXTRAS:-dev}"
 CONSTRAINTS="${MECEFO_CONSTRAINTS:-.ci/constraints.txt}"
-MECEFO_TORCH_INDEX="${MECEFO_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+MECEFO_TORCH_INDEX="${MECEFO_TORCH_INDEX:-}"  # empty: pip's configured index and find-links
 
 torch_pin="$(grep -E '^torch==' "${CONSTRAINTS}" || true)"
 if [ -z "${torch_pin}" ]; then
@@ -35,10 +36,13 @@ if [ -f "${stamp}" ] && [ "$(cat "${stamp}")" = "${want}" ]; then
   exit 0
 fi
 pip_args=(--disable-pip-version-check --quiet)
-echo "[install] ${torch_pin} (CPU build, from ${MECEFO_TORCH_INDEX} or a local wheel)"
-"${VENV}/bin/python" -m pip install "${pip_args[@]}" --index-url "${MECEFO_TORCH_INDEX}" "${torch_pin}"
-if [[ "${MECEFO_TORCH_INDEX}" == */cpu ]] &&
-  ! "${VENV}/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
+torch_source=()
+if [ -n "${MECEFO_TORCH_INDEX}" ]; then
+  torch_source=(--index-url "${MECEFO_TORCH_INDEX}" --extra-index-url https://pypi.org/simple)
+fi
+echo "[install] ${torch_pin} (CPU build, from ${MECEFO_TORCH_INDEX:-the configured index and find-links})"
+"${VENV}/bin/python" -m pip install "${pip_args[@]}" "${torch_source[@]}" "${torch_pin}"
+if ! "${VENV}/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
   echo "[install] error: a CUDA build of torch is installed in ${VENV}; CI wants the CPU one" >&2
   exit 1
 fi

@@ -107,13 +107,28 @@ def test_install_script_puts_cpu_torch_first_then_everything_under_constraints(t
     assert len(installs) == 2, lines
     torch_step, package_step = installs
     assert torch_step.endswith("torch==2.13.0"), torch_step
-    assert "--index-url https://download.pytorch.org/whl/cpu" in torch_step, torch_step
+    assert "--index-url" not in torch_step, torch_step  # default: pip's sources (local wheel)
     assert lines.index(torch_step) < lines.index(package_step)
     assert f"--constraint {CONSTRAINTS.relative_to(ROOT)}" in package_step, package_step
     assert package_step.endswith("-e .[dev]"), package_step
     assert (venv / ".mecefo-installed").is_file()
     again = _install(venv)  # unchanged pyproject + constraints: nothing to do
     assert "up to date" in again.stdout and len(calls.read_text().splitlines()) == len(lines)
+
+
+def test_install_script_takes_a_torch_index_when_asked(tmp_path):
+    venv, calls = _fake_venv(tmp_path, cuda=False)
+    env = {**os.environ, "MECEFO_VENV": str(venv), "MECEFO_TORCH_INDEX": "https://example/cpu"}
+    res = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "install.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    torch_step = [ln for ln in calls.read_text().splitlines() if "torch==" in ln][0]
+    assert "--index-url https://example/cpu" in torch_step, torch_step
 
 
 def test_install_script_refuses_a_cuda_torch(tmp_path):

@@ -29,7 +29,12 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, demo_data_dir):
     assert "Traceback" not in again.stdout + again.stderr
     after = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     assert after == before  # summary.json, metrics, events, config untouched
-    # ... and under mecefo-launch (2 ranks): same line, exit 0, nothing touched
+    # ... and under mecefo-launch (2 ranks): same line, exit 0, nothing touched, and the launch
+    # leaves no mecefo-coord-* folder behind in the temporary directory
+    import glob
+    import tempfile
+
+    coord_dirs = set(glob.glob(os.path.join(tempfile.gettempdir(), "mecefo-coord-*")))
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -41,6 +46,7 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, demo_data_dir):
     assert res.returncode == 0, res.explain()
     assert "is already complete at step 4" in res.output
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mecefo-coord-*"))) <= coord_dirs
 
 
 def test_killing_the_launcher_leaves_no_process_and_no_cpp_frames(tmp_path, demo_data_dir):

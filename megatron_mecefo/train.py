@@ -74,9 +74,11 @@ def load_run_config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
     from megatron_mecefo.config.loader import to_dict
 
     cfg = load_run_config(args)
+    cfg = resolve_global_batch(cfg, world_size_from_env(cfg))  # fixed global batch, if set
     if args.dry_run:
         _check_injections(args, cfg)
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
@@ -268,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
     # whatever this process forks (megatron's async checkpoint writers) dies with it, even when
     # it is SIGKILLed: no writer outlives its trainer holding files and pipes open
     os.register_at_fork(after_in_child=die_with_parent)
+    from megatron_mecefo.metrics.rank_log import redirect_rank_output
+
+    redirect_rank_output()  # MECEFO_RANK_LOG_DIR: this rank's own log file (pretrain.sbatch)
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     failover = bool(os.environ.get("MECEFO_COORDINATOR"))

@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 
 from megatron_mecefo.errors import ExitCode
-from megatron_mecefo.failover import keys
+from megatron_mecefo.failover import health, keys
 from megatron_mecefo.failover.lifecycle import die_with_parent
 from megatron_mecefo.failover.liveness import node_key, node_report
+from megatron_mecefo.metrics import rank_log
 from megatron_mecefo.snapshot.paths import NODE_DIR_ENV, SMP_ENV, node_dir
 
 FATAL = {
@@ -134,6 +135,9 @@ class Agent:
         self.stop_reason: str | None = None  # set by SIGUSR1; posted to the store once
         self.smp: subprocess.Popen | None = None
         self.preempted = False  # a rank exited PREEMPTED (stopped on request after a checkpoint)
+        self.started_at: dict[int, float] = {}  # rank -> when its current incarnation started
+        self.quick_deaths: dict[int, int] = {}  # rank -> deaths in a row soon after a start
+        self.term_deadline: float | None = None  # SIGTERM with a grace time: hard stop after
         self.report_seq = 0
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
         if not args.standby:
@@ -189,6 +193,7 @@ class Agent:
 
     def spawn(self, rank: int) -> None:
         """Start `rank`: hand it to a warm spare if one is alive, else a fresh process."""
+        self.started_at[rank] = time.monotonic()
         self.spares = [p for p in self.spares if p.poll() is None]
         spare = self.spares.pop(0) if self.spares else None
         if spare is not None:
@@ -241,6 +246,9 @@ class Agent:
     def _watch(self) -> int:
         last_ok = time.monotonic()
         while self.node is None or len(self.finished) < len(self.ranks):
+            if self.term_deadline is not None and time.monotonic() > self.term_deadline:
+                self.log("SIGTERM grace time over: stopping this node's ranks now")
+                return 128 + signal.SIGTERM
             try:
                 code = self._tick() if self.node is not None else self._standby_tick()
                 last_ok = time.monotonic()
@@ -292,6 +300,11 @@ class Agent:
                 self.finished.add(rank)
             elif time.monotonic() >= not_before and keys.get_int(self.store, keys.JOB_STEP) >= step:
                 del self.restart_at[rank]
+                bad = health.check_gpu(health.device_id(rank - self.ranks[0]))
+                if bad is not None:
+                    self.log(f"not restarting rank {rank}: its GPU is unhealthy ({bad})")
+                    self.finished.add(rank)
+                    continue
                 self.incarnation[rank] += 1
                 self.log(f"restarting rank {rank} (incarnation {self.incarnation[rank]})")
                 self.spawn(rank)
@@ -359,9 +372,14 @@ class Agent:
             return
         down_key = keys.downtime(rank, inc)
         step = keys.get_int(self.store, down_key, -1)
-        self.restart_at[rank] = (time.monotonic() + self.args.restart_delay_s, step)
-        when = f"at job step {step}" if step >= 0 else f"in {self.args.restart_delay_s:.1f} s"
+        lived_s = time.monotonic() - self.started_at.get(rank, time.monotonic())
+        streak = self.quick_deaths.get(rank, -1) + 1 if health.is_quick_death(lived_s) else 0
+        self.quick_deaths[rank] = streak
+        delay_s = health.restart_delay_s(self.args.restart_delay_s, streak)  # backoff
+        self.restart_at[rank] = (time.monotonic() + delay_s, step)
+        when = f"at job step {step}" if step >= 0 else f"in {delay_s:.1f} s"
         self.log(f"rank {rank} (incarnation {inc}) died ({how}); restarting it {when}")
+        rank_log.echo_tail(self.log, rank)
 
     def _start_smp(self) -> None:
         if self.smp_cmd is not None:
@@ -535,7 +553,14 @@ def main(argv: list[str] | None = None) -> int:
         address = f"127.0.0.1:{port}"
     agent = Agent(args, address)
 
+    grace_s = float(os.environ.get("MECEFO_TERM_GRACE_S") or 0)
+
     def _terminate(signum, frame):
+        if grace_s > 0:  # stop with a checkpoint; hard stop at the deadline. Slurm sends SIGTERM
+            if agent.term_deadline is None:  # twice (the step, and srun forwarding): once counts
+                agent.term_deadline = time.monotonic() + grace_s
+                agent.request_stop("SIGTERM")
+            return
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _terminate)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.errors import FencedError, JobAbortedError, QuorumTimeoutError
-from megatron_mecefo.failover import inject, keys
+from megatron_mecefo.failover import groups, inject, keys
 from megatron_mecefo.failover.heartbeat import Heartbeat
 from megatron_mecefo.failover.inject import Injector
 from megatron_mecefo.failover.membership import Membership
@@ -605,8 +605,8 @@ class FailoverManager(TrainHook):
 
     def _install(self, gen: int, members: tuple[int, ...], group) -> None:
         m = self.membership
-        if m.group is not None:
-            self._graveyard.append(m.group)
+        if m.group is not None:  # NCCL: aborted and destroyed; gloo: kept (failover/groups.py)
+            groups.retire_group(m.group, self.backend, self._graveyard, log=self.log)
         if gen != m.generation:
             self.attempt = 0  # vote keys are per (generation, step, attempt)
         m.generation, m.members, m.group = gen, members, group
@@ -770,8 +770,6 @@ def posted_events(store) -> list[dict]:
 
 def _new_group(backend: str, store, rank: int, size: int, timeout: timedelta):
     """A process group built directly on `store` (no default group, no dead rank involved)."""
-    if backend == "nccl":
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    if backend == "nccl":  # explicit watchdog policy, non-blocking communicators
+        return groups.new_nccl_group(store, rank, size, timeout)
     return dist.ProcessGroupGloo(store, rank, size, timeout)

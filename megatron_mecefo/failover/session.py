@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.errors import DistributedSetupError, ExitCode
-from megatron_mecefo.failover import inject, keys
+from megatron_mecefo.failover import groups, inject, keys
 from megatron_mecefo.failover.manager import FailoverManager, JobDone
 from megatron_mecefo.mcore.parallel import resolve_backend
 from megatron_mecefo.metrics.summary import job_wide
@@ -30,6 +30,8 @@ def init_replica_parallel(
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    if backend == "nccl":  # before the first NCCL group: torch reads it at construction
+        groups.apply_nccl_policy(os.environ, cfg.parallel.timeout_s)
     if tp == 1:
         store = dist.HashStore()
     else:

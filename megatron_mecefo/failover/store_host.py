@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from megatron_mecefo.failover import keys
 from megatron_mecefo.failover.coordinator import add_detector_flags, detector_argv, detector_config
@@ -78,9 +79,17 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(str(store.port))
         tmp.replace(args.port_file)
     print(f"[coordinator] serving on port {store.port} for {args.world_size} ranks", flush=True)
-    stop = {"flag": False}
+    stop: dict[str, Any] = {"flag": False, "deadline": None}
+    grace_s = float(os.environ.get("MECEFO_TERM_GRACE_S") or 0)
 
     def _stop(signum, frame):
+        if signum == signal.SIGTERM and grace_s > 0:
+            # Slurm's SIGTERM reaches every process of the job (twice: the step, and srun
+            # forwarding it): keep the store up while the ranks save their final checkpoint,
+            # until the agents have left or the grace time is over
+            if stop["deadline"] is None:
+                stop["deadline"] = time.monotonic() + grace_s
+            return
         stop["flag"] = True
 
     signal.signal(signal.SIGTERM, _stop)
@@ -91,12 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     code = 0
     try:
         while not stop["flag"] and os.getppid() == parent:  # never outlive the launcher
+            if stop["deadline"] is not None and time.monotonic() > stop["deadline"]:
+                break
             rc = child.poll()
             finished = store.check([keys.DONE]) or store.check([keys.ABORT])
             if rc is not None:
-                if rc == 0 or finished:
+                # with a SIGTERM grace time (Slurm), a clean exit of the child is not the end: it
+                # may be Slurm's SIGTERM reaching it (restarted unless the job is done), and the
+                # store stays up until the agents have left, for the ranks' final checkpoint
+                if (rc == 0 and grace_s <= 0) or finished:
                     code = 8 if store.check([keys.ABORT]) else 0
-                    if rc == 0:
+                    if rc == 0 and grace_s <= 0:
                         break
                 else:
                     restarts = restarts + 1 if time.monotonic() - started < 30 else 1

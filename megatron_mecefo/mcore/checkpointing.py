@@ -43,6 +43,7 @@ def save(engine: Any, folder: str, next_step: int, *, async_save: bool):
     """Write the state into `folder` (must exist). Returns an AsyncRequest when `async_save`."""
     from megatron.core import dist_checkpointing
 
+    start_writer_queue_ignoring_stop_signals()  # before megatron spawns it with the defaults
     state = _sharded_state(engine, next_step, is_loading=False, with_rng=True)
     return dist_checkpointing.save(state, folder, async_sharded_save=async_save)
 
@@ -102,3 +103,29 @@ def barrier() -> None:
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def start_writer_queue_ignoring_stop_signals() -> None:
+    """Start megatron's checkpoint-result queue (once per process) with SIGUSR1 and SIGTERM
+    ignored.
+
+    megatron's writer collects results through a Manager process that it *spawns* on first use
+    (`filesystem_async._get_write_results_queue`). A spawned process starts with the default
+    actions, and Slurm delivers a stop signal to every process of the step: SIGUSR1 (the stop
+    before the time limit) or SIGTERM (scancel, preemption) would kill that Manager, and the
+    final checkpoint of the graceful stop would fail ("Connection refused"). A disposition of
+    SIG_IGN survives exec, so a Manager started here outlives both (it is SIGKILLed with the
+    rank's process group).
+    """
+    import signal
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+    try:
+        filesystem_async._get_write_results_queue()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -24,6 +24,9 @@ class LoggingConfig:
     """W&B project."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """W&B mode; offline unless configured (sync later with `wandb sync`)."""
+    wandb_run_id: str | None = None
+    """W&B run id; None: derived from the run's id in run_dir/identity.json, so that a requeued,
+    resumed or failed-over job continues the same W&B run (resume="allow")."""
 
     def __post_init__(self) -> None:
         if self.log_interval < 1 or self.print_interval < 0:

@@ -2,18 +2,28 @@
 
 `metrics.jsonl` holds one object per logged step. Failure-handling events are not logged here:
 `events.jsonl` is written by a separate process through
-`megatron_mecefo.metrics.events.EventWriter`, which owns that schema (the simulator replays it).
+`megatron_mecefo.metrics.events.EventWriter`, which owns that schema (the simulator replays it);
+with TensorBoard or W&B on, the writing rank forwards its new lines to them (`sinks.EventTail`).
+The printed step line: step, loss, lr, grad norm, ms/iter, tokens/s, memory, replicas alive and
+degraded micro-batches (the last two under failover).
 """
 
 from __future__ import annotations
 
+import resource
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from megatron_mecefo.metrics.config import LoggingConfig
-from megatron_mecefo.metrics.sinks import JsonlSink, MetricSink, TensorBoardSink, WandbSink
+from megatron_mecefo.metrics.sinks import (
+    EventTail,
+    JsonlSink,
+    MetricSink,
+    TensorBoardSink,
+    WandbSink,
+)
 
 
 class MetricsLogger:
@@ -43,6 +53,10 @@ class MetricsLogger:
         self._bar = None
         self._opened = False
         self._run_config = run_config
+        self._events: EventTail | None = None
+        # events of earlier steps were forwarded by an earlier try (plain runs: before the step
+        # this run starts at) or by an earlier leader (failover: before this writer's first step)
+        self._event_floor: int | None = start_step if writer is None else None
         if enabled and writer is None:
             self._open_sinks()
             if cfg.progress_bar and sys.stderr.isatty():
@@ -73,14 +87,20 @@ class MetricsLogger:
                     mode=cfg.wandb_mode,
                     run_dir=str(self.run_dir),
                     config=run_config or {},
+                    run_id=cfg.wandb_run_id,
                 )
             )
+        if cfg.tensorboard or cfg.wandb:
+            self._events = EventTail(self.run_dir / "events.jsonl")
 
     def log_step(self, record: dict[str, Any]) -> None:
         """Record one step (`step` key required)."""
         if not self.enabled:
             return
         step = int(record["step"])
+        if self._event_floor is None:
+            self._event_floor = step
+        self._forward_events(step)
         if step % self.cfg.log_interval == 0 or "val_loss" in record:
             for sink in self._sinks:
                 sink.write(record)
@@ -92,7 +112,17 @@ class MetricsLogger:
         elif self.cfg.print_interval and (
             step % self.cfg.print_interval == 0 or "val_loss" in record
         ):
-            self.print(_format_line(record))
+            self.print(_format_line(record, memory_in_use()))
+
+    def _forward_events(self, step: int) -> None:
+        """New events.jsonl lines to the sinks (not those before `_event_floor`)."""
+        if self._events is None:
+            return
+        for event in self._events.read_new():
+            if int(event.get("step", step)) < (self._event_floor or 0):
+                continue
+            for sink in self._sinks:
+                sink.write_event(event, step)
 
     def print(self, line: str) -> None:
         if not self.enabled:
@@ -110,15 +140,34 @@ class MetricsLogger:
         self._sinks, self._bar = [], None
 
 
-def _format_line(record: dict[str, Any]) -> str:
+def _format_line(record: dict[str, Any], memory: str | None = None) -> str:
+    """`step 10 | loss 5.9325 | lr 1.10e-03 | gnorm 0.943 | 54.2 ms/iter | 37910 tok/s |
+    mem 0.4 GiB rss | replicas 4 | degraded 0` (mfu when known; replicas under failover).
+    `launch/slurm/pretrain.sbatch` reads "ms/iter" to time its stop before the limit."""
     parts = [f"step {record['step']:>6}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
     parts += [
         f"lr {record['lr']:.2e}",
         f"gnorm {record['grad_norm']:.3f}",
-        f"{record['tokens_per_s']:.0f} tok/s",
     ]
+    if record.get("step_time_s") is not None:
+        parts.append(f"{1000 * record['step_time_s']:.1f} ms/iter")
+    parts.append(f"{record['tokens_per_s']:.0f} tok/s")
     if record.get("mfu") is not None:
         parts.append(f"mfu {100 * record['mfu']:.1f}%")
+    if memory:
+        parts.append(f"mem {memory}")
+    if record.get("replicas_alive") is not None:
+        parts.append(f"replicas {record['replicas_alive']}")
+    parts.append(f"degraded {record.get('degraded_microbatches', 0)}")
     return " | ".join(parts)
+
+
+def memory_in_use() -> str:
+    """Peak GPU memory allocated by this process when CUDA is in use, else its peak RSS."""
+    torch = sys.modules.get("torch")  # never import torch just to log
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        return f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return f"{rss_kib / 2**20:.1f} GiB rss"

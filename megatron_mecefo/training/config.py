@@ -18,7 +18,12 @@ class TrainingConfig:
     """Sequences per micro-batch."""
     num_microbatches: int = 2
     """Micro-batches per DP replica per step (gradient accumulation); global batch =
-    micro_batch_size x num_microbatches x DP size."""
+    micro_batch_size x num_microbatches x DP size. Derived from `global_batch_size` when that is
+    set (the value given here is then replaced at start-up)."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step, fixed whatever the node count: num_microbatches becomes
+    global_batch_size / (micro_batch_size x DP size) at start-up, which must divide evenly
+    (`megatron_mecefo/config/batch.py`). None: the global batch follows the DP size."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr: float = 3e-4
@@ -52,6 +57,13 @@ class TrainingConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size is not None and (
+            self.global_batch_size < 1 or self.global_batch_size % self.micro_batch_size
+        ):
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be a positive multiple of "
+                f"micro_batch_size ({self.micro_batch_size})"
+            )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ValueError(
                 f"need 0 <= min_lr <= lr and lr > 0 (lr={self.lr}, min_lr={self.min_lr})"

@@ -1,4 +1,5 @@
-"""A graceful stop on request: SIGUSR1 (Slurm's `--signal` before the time limit, or by hand).
+"""A graceful stop on request: SIGUSR1 (Slurm's `--signal` before the time limit, or by hand),
+and SIGTERM when MECEFO_TERM_GRACE_S is set (Slurm's scancel, time limit or preemption).
 
 The signal only sets a flag; the ranks agree on the step to stop after (every rank must save the
 same final checkpoint), the loop ends there, and the process exits `PREEMPTED`. Without failover
@@ -8,6 +9,7 @@ the commit vote (`failover.manager`), so it costs nothing extra.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from typing import Any
@@ -15,6 +17,10 @@ from typing import Any
 from megatron_mecefo.training.hooks import TrainHook
 
 STOP_SIGNAL = signal.SIGUSR1
+TERM_GRACE_ENV = "MECEFO_TERM_GRACE_S"
+"""Seconds between SIGTERM and SIGKILL (Slurm's KillWait / preemption GraceTime). When set > 0,
+SIGTERM is a graceful stop too (final checkpoint, exit PREEMPTED), as in Megatron's
+--exit-signal-handler; unset, SIGTERM keeps its default (the process ends at once)."""
 
 
 class StopFlag:
@@ -26,6 +32,8 @@ class StopFlag:
 
     def install(self) -> StopFlag:
         signal.signal(STOP_SIGNAL, lambda signum, frame: self.request("SIGUSR1"))
+        if float(os.environ.get(TERM_GRACE_ENV) or 0) > 0:  # Slurm's SIGTERM, then KILL later
+            signal.signal(signal.SIGTERM, lambda signum, frame: self.request("SIGTERM"))
         return self
 
     def request(self, reason: str) -> None:

@@ -4,7 +4,13 @@ with `sbatch` as a user would: 2 tasks = 2 "nodes" (the script ranks nodes by SL
 tiny CPU config. Checked: a clean job completes and learns; a rank SIGKILLed mid-run is restarted
 and rejoins while the job completes; a lost node (its agent and ranks SIGKILLed) does not stop the
 other node (srun --kill-on-bad-exit=0 against a cluster with KillOnBadExit=1); a SIGUSR1 stop
-saves a final checkpoint, the job requeues itself and the second run resumes from that step.
+saves a final checkpoint, the job requeues itself and the second run resumes from that step;
+the pyxis/enroot recipe, with a fake pyxis (tests/cluster/fake_pyxis: the tasks run in a private
+mount namespace where the repository exists only at the container path and host folders are
+hidden unless mounted), on a host where that path does not exist; a layout of several tasks per
+node, and a GPU config on a node without GPUs, both refused before anything starts; SIGTERM (what
+scancel and Slurm's preemption send) saving a final checkpoint within the grace time; and the
+script's own timer asking for the stop before the time limit.
 
 Skipped, with one message saying why, only where Slurm cannot be installed or run (not root, no
 apt-get, no network). There is no slurmdbd, so job states come from `scontrol show job`.
@@ -29,6 +35,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "cluster" / "slurm_local.sh"
 SBATCH = ROOT / "launch" / "slurm" / "pretrain.sbatch"
+FAKE_PYXIS = ROOT / "tests" / "cluster" / "fake_pyxis"
 # Warm spares only speed up restarts; without them a job starts faster on the 2-core CI machine.
 NO_SPARES = {"MECEFO_WARM_SPARES": "0"}
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -86,7 +93,7 @@ def slurm(tmp_path_factory) -> Cluster:
 class Job:
     cluster: Cluster
     job_id: str
-    dir: Path
+    out: Path
     run_dir: Path
     log_dir: Path
 
@@ -117,7 +124,13 @@ class Job:
         return _jsonl(self.run_dir / "events.jsonl")
 
     def node_log(self, node: int, attempt: int = 0) -> str:
+        """Node `node`'s agent (and node.sh) lines."""
         path = self.log_dir / f"try{attempt}" / f"node{node}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def rank_log(self, rank: int, attempt: int = 0) -> str:
+        """Rank `rank`'s own output (MECEFO_RANK_LOG_DIR, set by the script)."""
+        path = self.log_dir / f"try{attempt}" / f"rank{rank}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
     def exit_codes(self, attempt: int = 0) -> list[str]:
@@ -125,7 +138,7 @@ class Job:
         return [p.read_text().strip() for p in sorted(folder.glob("node*.exit"))]
 
     def output(self) -> str:
-        path = self.dir / "job.out"
+        path = self.out
         return path.read_text(errors="replace") if path.exists() else ""
 
     def explain(self) -> str:
@@ -151,9 +164,16 @@ def submit(
     ranks_per_node: int = 1,
     train_args: tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    sbatch_extra: tuple[str, ...] = (),
+    submit_dir: Path = ROOT,
+    run_dir: Path | None = None,
+    log_dir: Path | None = None,
+    config: str = "configs/run/demo_cpu.yaml",
 ) -> Job:
-    """`sbatch pretrain.sbatch` with `nodes` tasks on the one machine (free ports only)."""
-    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    """`sbatch pretrain.sbatch` with `nodes` tasks on the one machine (free ports only), as the
+    CI cluster allows: no GPUs (--gpus-per-node=0), tasks as nodes, the local timeout profile."""
+    run_dir = run_dir or tmp_path / "run"
+    log_dir = log_dir or tmp_path / "logs"
     job_env = {
         **cluster.env,
         "PYTHON": sys.executable,
@@ -162,19 +182,24 @@ def submit(
         "MECEFO_COORDINATOR_PORT": str(_free_port()),
         "MECEFO_LOG_DIR": str(log_dir),
         "MECEFO_RESTART_DELAY_S": "0.5",
+        "MECEFO_TASKS_AS_NODES": "1",  # N tasks on the one machine act as N nodes
+        "MECEFO_TIMEOUT_PROFILE": "local",  # the tiny CPU model: fast detection
         **(env or {}),
     }
+    out = (tmp_path if submit_dir == ROOT else submit_dir) / "job.out"
     sbatch_args = [
         "--nodes=1",
         f"--ntasks={nodes}",
         f"--ntasks-per-node={nodes}",
-        f"--output={tmp_path / 'job.out'}",
-        f"--chdir={ROOT}",
+        "--gpus-per-node=0",
+        f"--output={out}",
+        f"--chdir={submit_dir}",
         "--time=10",
+        *sbatch_extra,
     ]
     trainer_args = [
         "--config",
-        "configs/run/demo_cpu.yaml",
+        config,
         "--run-dir",
         str(run_dir),
         "--max-steps",
@@ -187,13 +212,13 @@ def submit(
     res = subprocess.run(
         ["sbatch", "--parsable", *sbatch_args, str(SBATCH), *trainer_args],
         env=job_env,
-        cwd=ROOT,
+        cwd=submit_dir,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert res.returncode == 0, res.stderr
-    return Job(cluster, res.stdout.strip().split(";")[0], tmp_path, run_dir, log_dir)
+    return Job(cluster, res.stdout.strip().split(";")[0], out, run_dir, log_dir)
 
 
 def assert_completed(job: Job, info: dict[str, str], steps: int, restarts: int = 0) -> None:
@@ -273,10 +298,118 @@ def test_stop_signal_checkpoints_requeues_and_resumes(slurm, tmp_path, demo_data
     assert job.exit_codes(1) == ["0", "0"], job.explain()
     out = job.output()
     assert "got SIGUSR1" in out and "requeueing" in out, out
-    resumed = [line for line in job.node_log(0, attempt=1).splitlines() if "resumed from" in line]
+    resumed = [line for line in job.rank_log(0, attempt=1).splitlines() if "resumed from" in line]
     assert resumed, job.explain()
     resume_step = int(resumed[0].rsplit("at step", 1)[1])
     assert 5 <= resume_step < steps, resumed
-    stopped = job.node_log(0, attempt=0)
+    stopped = job.rank_log(0, attempt=0)
     assert f"stopping after step {resume_step - 1}" in stopped, job.explain()
     assert (job.run_dir / "checkpoints" / f"step_{resume_step:08d}").exists()
+
+
+def test_pyxis_recipe_with_the_repository_only_in_the_container(slurm, tmp_path, demo_data_dir):
+    """The README's pyxis recipe, run through a fake pyxis: the repository exists only at the
+    container path (MECEFO_ROOT), which does not exist on the host; the submit directory and the
+    shared run folder are host folders the container sees only if mounted. The batch shell must
+    not touch the container path, the steps must run in it (--container-workdir), and the exit
+    codes and rank logs the steps write must reach the host (the log folder is mounted), or every
+    node would read `lost` and the job would requeue forever."""
+    host = tmp_path / "host"  # hidden from the "container" unless mounted
+    submit_dir, shared = host / "submit", host / "shared"
+    submit_dir.mkdir(parents=True)
+    shared.mkdir()
+    (tmp_path / "stage").mkdir()
+    root_in_container = host / "container" / "workspace" / "megatron-mecefo"
+    steps = 12
+    env = {
+        **NO_SPARES,
+        "PATH": f"{FAKE_PYXIS}:{slurm.env['PATH']}",
+        "MECEFO_CONTAINER_IMAGE": "registry#megatron-mecefo:ci",
+        "MECEFO_CONTAINER_MOUNTS": f"{shared}:{shared}",
+        "MECEFO_ROOT": str(root_in_container),
+        "FAKE_PYXIS_ROOTFS": str(ROOT),
+        "FAKE_PYXIS_HIDE": str(host),
+        "FAKE_PYXIS_STAGE": str(tmp_path / "stage"),
+    }
+    job = submit(
+        slurm,
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        env=env,
+        submit_dir=submit_dir,
+        run_dir=shared / "run",
+        log_dir=submit_dir / "logs" / "job",
+    )
+    info = job.wait()
+    assert not root_in_container.exists() and not (host / "container").exists()
+    assert_completed(job, info, steps)
+    assert job.exit_codes() == ["0", "0"], job.explain()  # written in the container, read here
+    assert "[rank 0]" in job.rank_log(0) and "[rank 1]" in job.rank_log(1), job.explain()
+    assert f"root {root_in_container} in registry#megatron-mecefo:ci" in job.output()
+    assert "fake pyxis: image registry#megatron-mecefo:ci" in job.output()  # really used
+
+
+def test_several_tasks_per_node_are_refused_before_anything_starts(slurm, tmp_path, demo_data_dir):
+    job = submit(slurm, tmp_path, demo_data_dir, steps=5, env={"MECEFO_TASKS_AS_NODES": "0"})
+    info = job.wait(timeout_s=60)
+    assert info["ExitCode"] == "2:0", f"{info['ExitCode']}\n{job.explain()}"
+    assert "2 tasks on 1 nodes: run one task per node" in job.output(), job.output()
+    assert not job.run_dir.exists()
+
+
+def test_gpu_config_on_a_node_without_gpus_fails_preflight(slurm, tmp_path, demo_data_dir):
+    job = submit(slurm, tmp_path, demo_data_dir, steps=5, train_args=("parallel.backend=nccl",))
+    info = job.wait(timeout_s=120)
+    assert info["ExitCode"] == "2:0", f"{info['ExitCode']}\n{job.explain()}"
+    out = job.output()
+    assert "no GPU visible" in out and "parallel.backend=gloo" in out, out
+    assert "preflight failed" in out and info["Restarts"] == "0", out
+    assert not (job.log_dir / "try0" / "coordinator.log").exists()  # nothing else started
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_saves_a_final_checkpoint_within_the_grace_time(slurm, tmp_path, demo_data_dir):
+    """`scancel` (SIGTERM to the batch shell and every step process, SIGKILL after KillWait =
+    10 s on the CI cluster): with MECEFO_TERM_GRACE_S = 8 the ranks stop at one step, save a
+    final checkpoint and exit 9; the script does not requeue."""
+    steps = 200
+    env = {**NO_SPARES, "MECEFO_TERM_GRACE_S": "8"}
+    train_args = ("checkpoint.interval=100000",)  # the only checkpoint can be the final one
+    job = submit(slurm, tmp_path, demo_data_dir, steps=steps, train_args=train_args, env=env)
+    job.wait_for_step(5)
+    slurm.run("scancel", job.job_id)
+    info = job.wait(timeout_s=120)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", info
+    assert job.exit_codes() == ["9", "9"], job.explain()
+    stopped = [ln for ln in job.rank_log(0).splitlines() if "stopping after step" in ln]
+    assert stopped, job.explain()
+    step = int(stopped[0].rsplit("stopping after step", 1)[1].split()[0])
+    assert (job.run_dir / "checkpoints" / f"step_{step + 1:08d}").exists(), job.explain()
+
+
+@pytest.mark.timeout(300)
+def test_timer_asks_for_the_stop_a_lead_time_before_the_limit(slurm, tmp_path, demo_data_dir):
+    """A 2-minute job whose lead time is 95 s: the script's timer (polling every 2 s) asks for
+    the graceful stop about 25 s in, long before Slurm's own signal 60 s before the limit; the
+    ranks checkpoint and exit 9 (MECEFO_REQUEUE=0: no requeue, the script exits 9)."""
+    env = {
+        **NO_SPARES,
+        "MECEFO_STOP_LEAD_MIN_S": "95",
+        "MECEFO_STOP_POLL_S": "2",
+        "MECEFO_REQUEUE": "0",
+    }
+    job = submit(
+        slurm,
+        tmp_path,
+        demo_data_dir,
+        steps=100000,
+        train_args=("checkpoint.interval=100000",),
+        env=env,
+        sbatch_extra=("--time=2",),
+    )
+    info = job.wait(timeout_s=180)
+    out = job.output()
+    assert "asking for a graceful stop" in out and "lead time 95 s" in out, job.explain()
+    assert info["ExitCode"] == "9:0" and job.exit_codes() == ["9", "9"], job.explain()
+    assert list((job.run_dir / "checkpoints").glob("step_*")), job.explain()

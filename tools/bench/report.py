@@ -9,12 +9,19 @@ there records each run's command, status, wall time and machine, so a report reb
 says where and how every number was measured. A tool that is missing or fails appears in the report
 as "not measured: <reason>", never as a crash or a gap. This module owns the report's layout only:
 the JSON schemas belong to the tools and are read defensively (`.get`), they may change under it.
+
+Provenance: every invocation that runs tools is a *report run* with an id (manifest key
+"__report__"); each tool's entry records the run that produced it and the SHA-256 of the JSON it
+wrote. A JSON that no run of this tool produced (no manifest entry, or a different hash: edited,
+copied in or hand-added) is shown as "not measured", never as numbers; a section whose numbers
+come from an earlier run than the report's own (`--tools` reruns only some tools) names that run.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import json
 import math
 import os
@@ -41,6 +48,10 @@ PAPER_MECEFO_PPL_PCT = {"low": 0.05, "mid": 0.75, "high": 1.6}
 # SPARe paper, TTT/T0 at 600k GPUs: N -> (Rep+CKPT, SPARe+CKPT).
 PAPER_SPARE = {200: (6.07, 2.92), 600: (4.27, 2.49), 1000: (3.88, 2.34)}
 PNG_SIZE_IN, PNG_DPI = (8.0, 4.5), 100  # every plot is 800 x 450 pixels
+REPORT_KEY = "__report__"
+"""Manifest key of the latest report run: {"run_id", "started", "quick", "tools"}."""
+HYBRID_TARGET = 1.15
+"""DESIGN.md's target for the slowest rank under `hybrid` (step time vs a normal rank)."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +223,28 @@ def _last_line(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def run_tool(tool: Tool, out_dir: Path, quick: bool, timeout_s: float, progress=None) -> dict:
+def json_digest(path: Path) -> str | None:
+    """SHA-256 of a tool's JSON as written (None when missing)."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def new_run_id(now: dt.datetime | None = None) -> str:
+    """An id for one report run: its start time and host."""
+    now = now or dt.datetime.now()
+    return f"{now.strftime('%Y%m%dT%H%M%S')}-{platform.node() or 'host'}"
+
+
+def run_tool(
+    tool: Tool,
+    out_dir: Path,
+    quick: bool,
+    timeout_s: float,
+    progress=None,
+    run_id: str | None = None,
+) -> dict:
     """Run one tool as a subprocess (its own session, killed whole on timeout); its manifest entry.
 
     `progress(elapsed_s, last_log_line)` is called about once a second while it runs.
@@ -227,6 +259,7 @@ def run_tool(tool: Tool, out_dir: Path, quick: bool, timeout_s: float, progress=
         "json": _rel(out),
         "log": _rel(log),
         "wall_s": 0.0,
+        "run_id": run_id,
     }
     reason = check_tool(tool)
     if reason:
@@ -265,7 +298,7 @@ def run_tool(tool: Tool, out_dir: Path, quick: bool, timeout_s: float, progress=
     data, why = load_json(out)
     if data is None:
         return {**entry, "status": "failed", "reason": f"exit 0 but {why}"}
-    return {**entry, "status": "ok", "reason": None}
+    return {**entry, "status": "ok", "reason": None, "json_sha256": json_digest(out)}
 
 
 def _tail(path: Path) -> str:
@@ -277,7 +310,9 @@ def _tail(path: Path) -> str:
         return ""
 
 
-def run_tools(tools, out_dir: Path, quick: bool, timeout_s: float) -> dict:
+def run_tools(
+    tools, out_dir: Path, quick: bool, timeout_s: float, run_id: str | None = None
+) -> dict:
     """Run the tools one after another under a progress bar; their manifest entries by name."""
     from tqdm import tqdm
 
@@ -289,7 +324,7 @@ def run_tools(tools, out_dir: Path, quick: bool, timeout_s: float) -> dict:
         def progress(elapsed, line, bar=bar):
             bar.set_postfix_str(f"{elapsed:.0f} s | {line[:50]}")
 
-        entry = run_tool(tool, out_dir, quick, timeout_s, progress)
+        entry = run_tool(tool, out_dir, quick, timeout_s, progress, run_id=run_id)
         entries[tool.name] = entry
         why = f": {entry['reason']}" if entry["reason"] else ""
         tqdm.write(f"{tool.name}: {entry['status']} in {entry['wall_s']:.1f} s{why}")
@@ -534,20 +569,45 @@ class ReportContext:
     png_dir: Path
     manifest: dict
     quick: bool
+    strict: bool = True
+    """Accept a JSON only if its manifest entry (run id + SHA-256) vouches for it. False only for
+    building from bare JSONs programmatically (their sections then say "unknown machine")."""
     data: dict = field(default_factory=dict)
     reasons: dict = field(default_factory=dict)
     not_measured: dict = field(default_factory=dict)
 
+    @property
+    def run_id(self) -> str | None:
+        """The report run this report belongs to (the latest that ran tools)."""
+        return (self.manifest.get(REPORT_KEY) or {}).get("run_id")
+
     def load(self) -> None:
         for tool in TOOLS:
             entry = self.manifest.get(tool.name)
+            path = self.json_dir / f"{tool.name}.json"
             if entry and entry.get("status") != "ok":
                 self.data[tool.name] = None
                 self.reasons[tool.name] = f"{entry.get('status')}: {entry.get('reason')}"
-            else:
-                self.data[tool.name], self.reasons[tool.name] = load_json(
-                    self.json_dir / f"{tool.name}.json"
-                )
+                continue
+            why = self._unvouched(tool, entry, path) if self.strict else None
+            if why is not None:
+                self.data[tool.name], self.reasons[tool.name] = None, why
+                continue
+            self.data[tool.name], self.reasons[tool.name] = load_json(path)
+
+    def _unvouched(self, tool: Tool, entry: dict | None, path: Path) -> str | None:
+        """Why the JSON at `path` is not the output of a recorded run of `tool` (or None)."""
+        if not path.is_file():
+            return None  # load_json says "no JSON"
+        again = f"rerun it: python tools/bench/report.py --tools {tool.name}"
+        if not entry:
+            return f"{_rel(path)} was not produced by a report run (no manifest entry); {again}"
+        if not entry.get("json_sha256") or entry["json_sha256"] != json_digest(path):
+            return (
+                f"{_rel(path)} is not the JSON its run wrote (edited, replaced or hand-added: "
+                f"its SHA-256 does not match the manifest); {again}"
+            )
+        return None
 
     def missing(self, name: str) -> str:
         """The "not measured" line of a tool (and its entry in the closing list)."""
@@ -563,8 +623,13 @@ class ReportContext:
         cmd = entry.get("command") or tool.display(self.quick, json_path)
         when = entry.get("started") or _mtime(json_path)
         wall = f", wall {entry['wall_s']:.0f} s" if entry.get("wall_s") else ""
+        other = ""
+        if self.run_id and entry.get("run_id") != self.run_id:
+            run = entry.get("run_id") or "an unidentified earlier run"
+            quick = " (--quick)" if entry.get("quick") else ""
+            other = f"**From another run: `{run}`{quick}, not this report's run `{self.run_id}`.** "
         return (
-            f"*Measured on {describe_machine(entry.get('machine'))}, {when}{wall}. "
+            f"{other}*Measured on {describe_machine(entry.get('machine'))}, {when}{wall}. "
             f"Reproduce:* `{cmd}`"
         )
 
@@ -860,6 +925,19 @@ def section_step_time(ctx: ReportContext) -> list[str]:
     return out + [f"torch threads: {st.get('threads', '?')}.", "", ctx.provenance("step_time"), ""]
 
 
+def hybrid_verdicts(rows: list[dict]) -> list[str]:
+    """'n = 4: 1.17x, above the target' per hybrid row, decided from the measured ratio (no
+    hand-written claims: README and this report quote the same words)."""
+    out = []
+    for r in rows:
+        ratio = r.get("ratio")
+        if r.get("scenario") != "hybrid" or ratio is None:
+            continue
+        side = "meets it" if round(ratio, 2) <= HYBRID_TARGET else "above the target"
+        out.append(f"n = {r.get('n')}: {ratio:.2f}x, {side}")
+    return out
+
+
 def section_degraded(ctx: ReportContext) -> list[str]:
     deg = ctx.data.get("degraded")
     if deg is None:
@@ -888,6 +966,9 @@ def section_degraded(ctx: ReportContext) -> list[str]:
                 for r in m.get("rows") or []
             ],
         )
+        verdicts = hybrid_verdicts(m.get("rows") or [])
+        if verdicts:
+            out += [f"`hybrid` vs the <= {HYBRID_TARGET:.2f}x target: {'; '.join(verdicts)}.", ""]
         calib = m.get("calibration") or {}
         err = _scale(m.get("prediction_error_abs_mean"), 100)
         hooks = _scale(m.get("exact_mode_overhead"), 100)
@@ -932,9 +1013,12 @@ def _header(ctx: ReportContext, now: dt.datetime) -> list[str]:
     out = [
         "# Benchmarks",
         "",
-        f"Generated by `{cmd}` on {now.isoformat(timespec='seconds')}; `--skip-run` rebuilds "
-        f"this file and the plots in `{_rel(ctx.png_dir)}/` from the JSONs in "
-        f"`{_rel(ctx.json_dir)}/`. Each section names the machine and the command of its numbers.",
+        f"Generated by `{cmd}` on {now.isoformat(timespec='seconds')}"
+        + (f" from report run `{ctx.run_id}`" if ctx.run_id else "")
+        + f"; `--skip-run` rebuilds this file and the plots in `{_rel(ctx.png_dir)}/` from the "
+        f"JSONs in `{_rel(ctx.json_dir)}/`. Each section names the machine and the command of its "
+        "numbers, and the run when it is not this one; a JSON that no recorded run wrote is "
+        "not measured.",
         "",
         f"**Read this first.** {honest}",
         "",
@@ -951,13 +1035,21 @@ def _header(ctx: ReportContext, now: dt.datetime) -> list[str]:
             ["date", now.date().isoformat()],
         ],
     )
-    runs = [(t, ctx.manifest.get(t.name)) for t in TOOLS]
+    runs = [(t, ctx.manifest.get(t.name)) for t in TOOLS]  # entries, REPORT_KEY excluded
     if any(e for _, e in runs):
         out += ["## Runs", ""]
         out += _table(
-            ["tool", "status", "wall", "command"],
+            ["tool", "status", "run", "wall", "command"],
             [
-                [t.name, e.get("status"), _f(e.get("wall_s"), ".1f", " s"), f"`{e.get('command')}`"]
+                [
+                    t.name,
+                    e.get("status"),
+                    "this"
+                    if e.get("run_id") and e.get("run_id") == ctx.run_id
+                    else f"`{e.get('run_id') or 'unknown'}`",
+                    _f(e.get("wall_s"), ".1f", " s"),
+                    f"`{e.get('command')}`",
+                ]
                 for t, e in runs
                 if e
             ],
@@ -987,9 +1079,18 @@ def build_report(
     manifest: dict | None = None,
     quick: bool = False,
     now: dt.datetime | None = None,
+    strict: bool | None = None,
 ) -> str:
-    """Write the markdown report (and its PNGs) from the tools' JSONs in json_dir; return it."""
-    ctx = ReportContext(Path(json_dir), Path(md_path).parent, Path(png_dir), manifest or {}, quick)
+    """Write the markdown report (and its PNGs) from the tools' JSONs in json_dir; return it.
+    With a manifest (the CLI always has one) only JSONs it vouches for are used (`strict`)."""
+    ctx = ReportContext(
+        Path(json_dir),
+        Path(md_path).parent,
+        Path(png_dir),
+        manifest or {},
+        quick,
+        strict=manifest is not None if strict is None else strict,
+    )
     ctx.load()
     body = []
     for title, render in SECTIONS:
@@ -1034,7 +1135,14 @@ def main(argv=None) -> int:
         tools = [t for t in TOOLS if not args.tools or t.name in args.tools]
         timeout_s = args.timeout_s or (900.0 if args.quick else 3600.0)
         start = time.monotonic()
-        manifest.update(run_tools(tools, out_dir, args.quick, timeout_s))
+        run_id = new_run_id()
+        manifest[REPORT_KEY] = {
+            "run_id": run_id,
+            "started": dt.datetime.now().isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "tools": [t.name for t in tools],
+        }
+        manifest.update(run_tools(tools, out_dir, args.quick, timeout_s, run_id))
         manifest_path.write_text(json.dumps(manifest, indent=2))
         print(f"ran {len(tools)} tools in {time.monotonic() - start:.0f} s")
     md_path = ROOT / args.md

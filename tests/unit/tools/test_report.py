@@ -3,6 +3,7 @@ runs of each tool), the plots' data, and the runner's handling of a failing or m
 No benchmark runs here."""
 
 import datetime as dt
+import hashlib
 import importlib.util
 import json
 import struct
@@ -104,6 +105,12 @@ CONVERGENCE = {
 }  # fmt: skip
 
 
+def _vouched(value, run_id: str = "r1", **extra) -> dict:
+    """A manifest entry of a successful run that wrote exactly `value` (as `_write` writes it)."""
+    digest = hashlib.sha256(json.dumps(value).encode()).hexdigest()
+    return {"status": "ok", "reason": None, "run_id": run_id, "json_sha256": digest, **extra}
+
+
 def _write(directory: Path, **data) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     for name, value in data.items():
@@ -161,6 +168,7 @@ def test_missing_or_failed_tool_is_reported_not_measured(tmp_path):
     manifest = {
         "degraded": {"status": "failed", "reason": "exit 1: RuntimeError: boom", "wall_s": 2.0,
                      "command": "python tools/bench/degraded.py --out x.json"},
+        "sim_mecefo_high_64": _vouched(SIM),
     }  # fmt: skip
     md = _build(tmp_path, manifest=manifest, sim_mecefo_high_64=SIM)
     line = "not measured: `tools/bench/failover.py` (failover latencies): no JSON at"
@@ -169,7 +177,7 @@ def test_missing_or_failed_tool_is_reported_not_measured(tmp_path):
     assert f"- {line}" in closing and "`tools/bench/convergence.py`" in closing
     assert "not measured: `tools/bench/degraded.py` (degraded-mode step time): failed: exit 1: " \
            "RuntimeError: boom" in md  # fmt: skip
-    assert "| degraded | failed | 2.0 s |" in md  # the runs table
+    assert "| degraded | failed | `unknown` | 2.0 s |" in md  # the runs table
     # a tool that ran is not in the closing list
     assert "mecefo_high, 64 GPUs" not in closing
 
@@ -262,10 +270,53 @@ def test_runner_records_failure_and_success(tmp_path):
     assert entry["wall_s"] > 0 and entry["command"].endswith("--out " + str(tmp_path / "z.json"))
 
 
-def test_cli_skip_run_rebuilds_from_json(tmp_path):
+def test_cli_skip_run_rebuilds_only_from_recorded_runs(tmp_path):
+    """A JSON dropped into the folder by hand is not measured; once a recorded run vouches for
+    it (its SHA-256 in the manifest), --skip-run rebuilds the report from it."""
     _write(tmp_path / "out", sim_mecefo_high_64=SIM)
     argv = ["--skip-run", "--out-dir", str(tmp_path / "out"), "--md", str(tmp_path / "B.md")]
-    assert report.main([*argv, "--png-dir", str(tmp_path / "png")]) == 0
+    argv += ["--png-dir", str(tmp_path / "png")]
+    assert report.main(argv) == 0
+    md = (tmp_path / "B.md").read_text()
+    assert "| ckpt | 1.2500 |" not in md, md
+    assert "was not produced by a report run (no manifest entry)" in md
+    assert not (tmp_path / "out" / "manifest.json").exists()  # nothing ran, nothing recorded
+    manifest = {report.REPORT_KEY: {"run_id": "r1"}, "sim_mecefo_high_64": _vouched(SIM)}
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(manifest))
+    assert report.main(argv) == 0
     md = (tmp_path / "B.md").read_text()
     assert "| ckpt | 1.2500 | 20.00% |" in md and "not measured: `tools/bench/step_time.py`" in md
-    assert not (tmp_path / "out" / "manifest.json").exists()  # nothing ran, nothing recorded
+    assert "from report run `r1`" in md and "From another run" not in md
+
+
+def test_an_edited_json_is_not_measured(tmp_path):
+    edited = {**SIM, "t0_h": 99.0}  # a hand edit after the run
+    manifest = {report.REPORT_KEY: {"run_id": "r1"}, "sim_mecefo_high_64": _vouched(SIM)}
+    md = _build(tmp_path, manifest=manifest, sim_mecefo_high_64=edited)
+    assert "SHA-256 does not match the manifest" in md and "| ckpt | 1.2500 |" not in md
+
+
+def test_sections_from_another_run_name_it(tmp_path):
+    manifest = {
+        report.REPORT_KEY: {"run_id": "r2"},
+        "sim_mecefo_high_64": _vouched(SIM, run_id="r1", quick=True),
+        "sim_reproduce": _vouched(REPRODUCE, run_id="r2"),
+    }
+    md = _build(tmp_path, manifest=manifest, sim_mecefo_high_64=SIM, sim_reproduce=REPRODUCE)
+    throughput = md.split("## Throughput drop", 1)[1].split("## Loss gap", 1)[0]
+    spare = md.split("## SPARe table", 1)[1].split("## Step time", 1)[0]
+    assert "From another run: `r1` (--quick), not this report's run `r2`" in throughput
+    assert "From another run" not in spare
+    assert "| sim_reproduce | ok | this |" in md and "| sim_mecefo_high_64 | ok | `r1` |" in md
+
+
+def test_hybrid_verdict_is_computed_not_claimed():
+    rows = [
+        {"scenario": "hybrid", "n": 4, "ratio": 1.1712},
+        {"scenario": "hybrid", "n": 8, "ratio": 1.1503},
+        {"scenario": "spread", "n": 4, "ratio": 1.40},
+    ]
+    assert report.hybrid_verdicts(rows) == [
+        "n = 4: 1.17x, above the target",
+        "n = 8: 1.15x, meets it",
+    ]

@@ -1,0 +1,115 @@
+"""Real-size run configs and the fixed global batch (issue 18, item 6): every configs/run/
+llama-*-<N>n.yaml passes `mecefo-train --dry-run` at its own size (N nodes x 8 GPUs), the 1- and
+4-node configs of a model train the same trajectory (same global batch and config hash, so either
+can resume the other's checkpoints), and a layout that does not divide the global batch is a
+one-line error naming the numbers. The failover presets load."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_mecefo import train
+from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
+from megatron_mecefo.config.loader import load_config
+from megatron_mecefo.config.run import RunConfig
+from megatron_mecefo.errors import ConfigError, ExitCode
+from megatron_mecefo.failover.config import FailoverConfig
+from megatron_mecefo.training.identity import config_hash
+
+pytestmark = pytest.mark.timeout(60)
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+REAL = sorted((CONFIGS / "run").glob("llama-*-*n.yaml"))
+GPUS_PER_NODE = 8
+
+
+def _nodes(path: Path) -> int:
+    return int(re.search(r"-(\d+)n\.yaml$", path.name).group(1))
+
+
+def _dry_run(path: Path, world: int, monkeypatch, *extra: str) -> tuple[int, str]:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = train.main(["--config", str(path), "--dry-run", *extra])
+    return code, out.getvalue()
+
+
+def test_there_are_real_configs_for_1_and_4_nodes():
+    names = {p.name for p in REAL}
+    for model in ("llama-350m", "llama-1b", "llama-7b"):
+        assert {f"{model}-1n.yaml", f"{model}-4n.yaml"} <= names, names
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
+def test_real_config_dry_runs_at_its_size(path, monkeypatch):
+    world = _nodes(path) * GPUS_PER_NODE
+    code, out = _dry_run(path, world, monkeypatch)
+    assert code == ExitCode.OK
+    resolved = yaml.safe_load(out)
+    t, p = resolved["training"], resolved["parallel"]
+    dp = world // p["tensor_model_parallel_size"]
+    assert t["global_batch_size"] == t["micro_batch_size"] * t["num_microbatches"] * dp
+    assert p["backend"] == "nccl" and t["precision"] == "bf16"
+    assert resolved["checkpoint"]["interval"] > 0 and resolved["snapshot"]["interval"] > 0
+    assert resolved["failover"]["coordinator_timeout_s"] >= 30  # the cluster preset
+    assert resolved["data"]["path"] and resolved["data"]["tokenizer_model"]
+
+
+@pytest.mark.parametrize("model", ["llama-350m", "llama-1b", "llama-7b"])
+def test_one_and_four_nodes_train_the_same_trajectory(model):
+    hashes, batches = set(), set()
+    for nodes in (1, 4):
+        cfg = load_config(RunConfig, CONFIGS / "run" / f"{model}-{nodes}n.yaml")
+        dp = nodes * GPUS_PER_NODE // cfg.parallel.tensor_model_parallel_size
+        cfg = resolve_global_batch(cfg, nodes * GPUS_PER_NODE)
+        t = cfg.training
+        batches.add(t.micro_batch_size * t.num_microbatches * dp)
+        hashes.add(config_hash(cfg, dp))
+    assert len(batches) == 1 and len(hashes) == 1, (batches, hashes)
+
+
+def test_a_layout_that_does_not_divide_the_global_batch_is_refused(monkeypatch, capsys):
+    path = CONFIGS / "run" / "llama-7b-4n.yaml"
+    code, _ = _dry_run(path, 24, monkeypatch)  # TP 4: DP 6 does not divide 1024
+    err = capsys.readouterr().err
+    assert code == ExitCode.CONFIG_ERROR
+    assert "global_batch_size=1024" in err and "1 x 6 = 6" in err and "\n" not in err.strip()
+
+
+def test_resolution_rules():
+    cfg = load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml")
+    assert resolve_global_batch(cfg, 2) is cfg  # no global batch: unchanged
+    fixed = load_config(
+        RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["training.global_batch_size=64"]
+    )
+    assert resolve_global_batch(fixed, 1).training.num_microbatches == 8  # 64 / (8 x 1)
+    assert resolve_global_batch(fixed, 4).training.num_microbatches == 2  # 64 / (8 x 4)
+    with pytest.raises(ConfigError, match="not a multiple"):
+        resolve_global_batch(fixed, 3)
+    with pytest.raises(ConfigError, match="positive multiple of micro_batch_size"):
+        load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["training.global_batch_size=12"])
+    tp2 = load_config(
+        RunConfig,
+        CONFIGS / "run" / "demo_cpu.yaml",
+        ["parallel.tensor_model_parallel_size=2", "training.global_batch_size=64"],
+    )
+    assert world_size_from_env(tp2, {}) == 2  # unset: one replica
+    assert world_size_from_env(tp2, {"WORLD_SIZE": "8"}) == 8
+    assert world_size_from_env(tp2, {"MECEFO_DRY_RUN_WORLD": "4"}) == 4
+    with pytest.raises(ConfigError, match="tensor x pipeline"):
+        resolve_global_batch(tp2, 3)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((CONFIGS / "failover").glob("*.yaml")), ids=lambda p: p.name
+)
+def test_failover_presets_load(path):
+    cfg = load_config(FailoverConfig, path)
+    assert cfg.coordinator_timeout_s > cfg.heartbeat_interval_s

@@ -21,7 +21,7 @@ from megatron_mecefo.errors import ConfigError, ExitCode, MecefoError
 if __name__ == "__mp_main__":  # re-imported in a multiprocessing spawn child of a trainer
     from megatron_mecefo.failover.lifecycle import die_with_parent
 
-    die_with_parent()  # megatron's persistent async checkpoint worker must not outlive its trainer
+    die_with_parent()  # megatron's spawned checkpoint-result queue must not outlive its trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover import health, keys
-from megatron_mecefo.failover.lifecycle import die_with_parent
+from megatron_mecefo.failover.lifecycle import die_with_parent, quiet_cpp_logs
 from megatron_mecefo.failover.liveness import node_key, node_report
 from megatron_mecefo.metrics import rank_log
 from megatron_mecefo.snapshot.paths import NODE_DIR_ENV, SMP_ENV, node_dir
@@ -540,6 +540,7 @@ def check_injections(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_cpp_logs(os.environ)  # before torch loads, here and in every process started from here
     args = parse_args(argv)
     bad = check_injections(args)
     if bad is not None:

@@ -546,7 +546,8 @@ class Coordinator:
                 return
             run_dir, _, start = self.store.get(keys.RUN_DIR).decode().rpartition("|")
             path = Path(run_dir) / "events.jsonl"
-            self.next_event = max(self.next_event, _last_seq(path) + 1)
+            ours = keys.get_int(self.store, keys.JOB_EVENTS_START)  # earlier launches end here
+            self.next_event = max(self.next_event, _last_seq(path, ours) + 1)
             self.writer = EventWriter(path, float(start))
         last = keys.get_int(self.store, keys.EVENT_SEQ, 0)
         while self.next_event <= last:
@@ -569,12 +570,12 @@ class Coordinator:
             self.writer.close()
 
 
-def _last_seq(path: Path) -> int:
-    """The `seq` of the last complete line of an events file (0 if none)."""
+def _last_seq(path: Path, start: int = 0) -> int:
+    """The `seq` of the last complete line of an events file after byte `start` (0 if none)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, fh.tell() - 65536))
+            fh.seek(max(start, fh.tell() - 65536))
             lines = fh.read().splitlines()
     except OSError:
         return 0

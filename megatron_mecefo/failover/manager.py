@@ -299,6 +299,14 @@ class FailoverManager(TrainHook):
         attempt = f"redone/{self.membership.generation}/{result.step}/{self.attempt}"
         if self.store.add(attempt, 1) == 1:  # the job-wide count, once per aborted attempt
             self.store.add(keys.STEPS_REDONE, 1)
+            keys.post_event(  # summary.json counts these (metrics/summary.py)
+                self.store,
+                "step_redone",
+                step=result.step,
+                dp_rank=None,
+                generation=self.membership.generation,
+                attempt=self.attempt - 1,
+            )
 
     def on_train_end(self, engine, summary: dict[str, Any]) -> None:
         if self.fcfg.audit:

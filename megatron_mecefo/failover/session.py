@@ -7,6 +7,7 @@ of the replica's incarnation); everything across replicas goes through the failo
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from megatron_mecefo.errors import DistributedSetupError, ExitCode
 from megatron_mecefo.failover import groups, inject, keys
 from megatron_mecefo.failover.manager import FailoverManager, JobDone
 from megatron_mecefo.mcore.parallel import resolve_backend
-from megatron_mecefo.metrics.summary import job_wide
+from megatron_mecefo.metrics.summary import file_size, job_wide
 
 
 def init_replica_parallel(
@@ -149,6 +150,8 @@ def run_with_failover(cfg, args, say) -> int:
         layout = {"world_size": world, "dp_size": world // tp, "tp_size": tp, "backend": backend}
         run_dir.create(cfg, {**layout, "failover": True}, resume_step=start_step, identity=identity)
         manager.store.set(keys.JOB_START_STEP, str(start_step))
+        events_start = file_size(Path(cfg.run_dir) / "events.jsonl")  # before the coordinator
+        manager.store.set(keys.JOB_EVENTS_START, str(events_start))  # writes this launch's events
         manager.store.set(keys.RUN_DIR, f"{os.path.abspath(cfg.run_dir)}|{time.time()}")
     if start_step > 0:
         say(f"rank {rank} (incarnation {incarnation}) rejoined at step {start_step}", flush=True)
@@ -172,11 +175,15 @@ def run_with_failover(cfg, args, say) -> int:
         logger.close()
         manager.close()
     if manager.is_leader:  # a restarted leader saw part of the job: summarise all of it
+        events, events_seq = posted_events(manager.store)
         summary = job_wide(
             summary,
             Path(cfg.run_dir) / "metrics.jsonl",
             start_step=summary["failover"].pop("job_start_step"),
             expected_microbatches=manager.num_replicas * cfg.training.num_microbatches,
+            events=events,
+            events_seq=events_seq,
+            events_start=keys.get_int(manager.store, keys.JOB_EVENTS_START),
         )
         run_dir.write_summary(summary)
         from megatron_mecefo.train import print_summary
@@ -185,3 +192,19 @@ def run_with_failover(cfg, args, say) -> int:
     from megatron_mecefo.train import exit_code_of
 
     return exit_code_of(summary)
+
+
+def posted_events(store, wait_s: float = 2.0) -> tuple[list[dict], int]:
+    """Every event posted to the store so far, and the last one's sequence number: what
+    events.jsonl holds once the coordinator has drained (it copies them every 50 ms; reading the
+    store does not wait for it). A poster bumps the counter before it writes the event: one not
+    written yet is waited for, at most `wait_s` (its poster may have died in between)."""
+    last = keys.get_int(store, keys.EVENT_SEQ, 0)
+    names = [keys.event(i) for i in range(1, last + 1)]
+    deadline = time.monotonic() + wait_s
+    while True:
+        present = [k for k in names if store.check([k])]
+        if len(present) == len(names) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return ([json.loads(v) for v in store.multi_get(present)] if present else []), last

@@ -11,6 +11,11 @@ import json
 import os
 import sys
 
+if __name__ == "__mp_main__":  # re-imported in a spawn child of the trainer this spare became
+    from megatron_mecefo.failover.lifecycle import die_with_parent
+
+    die_with_parent()  # megatron's spawned checkpoint-result queue must not outlive its trainer
+
 
 def main() -> int:
     import torch  # noqa: F401 - the point of a spare is to have paid for these imports

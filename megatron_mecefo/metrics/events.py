@@ -4,7 +4,9 @@ The process that handles failures writes `run_dir/events.jsonl` through `EventWr
 simulator (`mecefo-sim replay`, `megatron_mecefo.sim.events`) reads it back with `read_events`.
 One JSON object per line. Required fields:
   type        one of failure, detection, regroup, takeover, rejoin, restart, checkpoint, abort,
-              recovery, coordinator_restart, node_lost, node_replaced
+              recovery, coordinator_restart, node_lost, node_replaced, step_redone (a step
+              attempt the members voted not to commit: it is redone under the next plan; one
+              per aborted attempt, `generation` = the attempt's, extra `attempt`)
   step        training step at which the event happened (int >= 0)
   dp_rank     DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint, ...);
               failure and rejoin events always name one
@@ -46,6 +48,7 @@ EVENT_TYPES = (
     "coordinator_restart",
     "node_lost",
     "node_replaced",
+    "step_redone",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

@@ -2,17 +2,25 @@
 
 Under failover the leader that writes the summary may be a restarted rank (or another replica)
 that saw only the end of the job. What the job did is in `metrics.jsonl` (one row per committed
-step, kept by every leader in turn), in the events the coordinator collects, and in counters the
-members keep in the store; `job_wide` rebuilds the summary from those. `check_summary` is the
-reverse check (summary vs metrics and events), used by the chaos soak and the tests.
+step, kept by every leader in turn) and in the events posted to the store (which the coordinator
+copies into `events.jsonl`, asynchronously); `job_wide` rebuilds the summary from the metric rows
+and from the posted events themselves, so it never depends on how far the coordinator has
+written. `check_summary` is the reverse check (summary vs metrics.jsonl and events.jsonl), used by
+the chaos soak and the tests.
+
+events.jsonl outlives a launch (a resumed run appends to it), so the summary records where this
+launch's events begin (`failover.events_start`, a byte offset) and the last event it counted
+(`failover.events_seq`, the `seq` of each line); the check reads that span of the file.
 """
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
+
+COUNTED = (("failures", "failure"), ("rejoins", "rejoin"), ("steps_redone", "step_redone"))
+"""Summary counters (failover.<key>) that are the number of events of a type."""
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -28,37 +36,91 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def file_size(path: Path) -> int:
+    """Bytes in a file now (0 if it does not exist): where the next writer's lines will start."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def launch_events(run_dir: Path, start: int, last_seq: int | None = None) -> list[dict]:
+    """One launch's events as written to events.jsonl: the lines from byte `start` on, up to
+    `seq` `last_seq` (all of them when None)."""
+    try:
+        with open(Path(run_dir) / "events.jsonl", "rb") as fh:
+            fh.seek(start)
+            lines = fh.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by a crash
+        if last_seq is None or event.get("seq", 0) <= last_seq:
+            out.append(event)
+    return out
+
+
+def event_counts(events: list[dict]) -> dict[str, Any]:
+    """The failover counters and latencies a list of events amounts to."""
+    out: dict[str, Any] = {
+        key: sum(1 for e in events if e.get("type") == kind) for key, kind in COUNTED
+    }
+    for key, kind in (("detection_ms", "detection"), ("regroup_ms", "regroup")):
+        out[key] = [
+            round(e["latency_ms"], 1)
+            for e in events
+            if e.get("type") == kind and e.get("latency_ms") is not None
+        ]
+    return out
+
+
 def job_wide(
     summary: dict[str, Any],
     metrics_path: Path,
     *,
     start_step: int,
     expected_microbatches: int,
+    events: list[dict] | None = None,
+    events_seq: int = 0,
+    events_start: int = 0,
 ) -> dict[str, Any]:
     """`summary` with its step counts and losses taken from the job's metric rows of steps >=
-    `start_step` (where this launch began), and the failover counters made job-wide."""
+    `start_step` (where this launch began) and its failover counters from the launch's posted
+    `events` (seq 1..`events_seq`), whose lines start at byte `events_start` of events.jsonl."""
+    out = {**summary, "start_step": start_step}
     rows = sorted(
         (r for r in read_rows(metrics_path) if r.get("step", -1) >= start_step),
         key=lambda r: r["step"],
     )
-    if not rows:
-        return summary
-    rates = [r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r]
-    vals = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
-    out = {
-        **summary,
-        "start_step": start_step,
-        "steps": len(rows),
-        "first_loss": rows[0]["loss"],
-        "final_loss": rows[-1]["loss"],
-        "val_losses": vals,
-        "final_val_loss": vals[-1][1] if vals else None,
-        "mean_tokens_per_s": sum(rates) / len(rates) if rates else summary.get("mean_tokens_per_s"),
-    }
+    if rows:
+        rates = [r["tokens_per_s"] for r in rows[1:] if "tokens_per_s" in r]
+        vals = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        mean_rate = sum(rates) / len(rates) if rates else summary.get("mean_tokens_per_s")
+        out.update(
+            steps=len(rows),
+            first_loss=rows[0]["loss"],
+            final_loss=rows[-1]["loss"],
+            val_losses=vals,
+            final_val_loss=vals[-1][1] if vals else None,
+            mean_tokens_per_s=mean_rate,
+        )
     fo = summary.get("failover")
     if isinstance(fo, dict):
         out["failover"] = {
             **fo,
+            **(
+                {
+                    **event_counts(events),
+                    "events_start": events_start,
+                    "events_seq": events_seq,
+                }
+                if events is not None
+                else {}
+            ),
             "steps_degraded": sum(1 for r in rows if r.get("job_degraded")),
             "samples_lost": sum(
                 max(0, expected_microbatches - r.get("global_microbatches", expected_microbatches))
@@ -69,7 +131,10 @@ def job_wide(
 
 
 def check_summary(run_dir: Path) -> list[str]:
-    """Where summary.json disagrees with metrics.jsonl and events.jsonl (empty: it agrees)."""
+    """Where summary.json disagrees with metrics.jsonl and events.jsonl (empty: it agrees).
+
+    Each item is one line a person can act on, e.g. "steps 24 but metrics.jsonl has 40 steps".
+    """
     run_dir = Path(run_dir)
     path = run_dir / "summary.json"
     if not path.exists():
@@ -80,7 +145,6 @@ def check_summary(run_dir: Path) -> list[str]:
         return ["summary.json is not JSON"]
     start = summary.get("start_step") or 0
     rows = [r for r in read_rows(run_dir / "metrics.jsonl") if r.get("step", -1) >= start]
-    events = read_rows(run_dir / "events.jsonl")
     out = []
     steps = len({r.get("step") for r in rows})
     if summary.get("steps") != steps:
@@ -97,10 +161,16 @@ def check_summary(run_dir: Path) -> list[str]:
     fo = summary.get("failover")
     if not isinstance(fo, dict):
         return out
-    kinds = Counter(e.get("type") for e in events)
-    for key, kind in (("failures", "failure"), ("rejoins", "rejoin")):
-        if fo.get(key) != kinds[kind]:
-            out.append(f"failover.{key} = {fo.get(key)} but events.jsonl has {kinds[kind]}")
+    events = launch_events(run_dir, fo.get("events_start") or 0, fo.get("events_seq"))
+    expected = event_counts(events)
+    for key, _ in COUNTED:
+        if fo.get(key) != expected[key]:
+            out.append(f"failover.{key} = {fo.get(key)} but events.jsonl has {expected[key]}")
+    if len(fo.get("detection_ms") or []) != len(expected["detection_ms"]):
+        out.append(
+            f"failover.detection_ms has {len(fo.get('detection_ms') or [])} latencies but "
+            f"events.jsonl has {len(expected['detection_ms'])} detections"
+        )
     degraded = sum(1 for r in rows if r.get("job_degraded"))
     if fo.get("steps_degraded") != degraded:
         out.append(

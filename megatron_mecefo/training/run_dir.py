@@ -77,11 +77,17 @@ class RunDir:
 
 
 def truncate_metrics(path: Path, next_step: int) -> None:
-    """Keep the metric rows of steps before `next_step` (a crashed run may have logged more)."""
+    """Keep the metric rows of steps before `next_step` (a crashed run may have logged more, and
+    its last row may be cut short: that one is dropped too)."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip()]
-    keep = [line for line in keep if json.loads(line).get("step", 0) < next_step]
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) < next_step:
+                keep.append(line)
+        except (ValueError, AttributeError):
+            pass  # a row cut short by a crash (or a blank line)
     path.write_text("".join(line + "\n" for line in keep))
 
 

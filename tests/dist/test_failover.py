@@ -47,6 +47,9 @@ def assert_recovered(
     types = res.event_types()
     for kind in ("failure", "detection", "regroup", "takeover", "rejoin"):
         assert kind in types, (kind, types)
+    from megatron_mecefo.metrics.summary import check_summary
+
+    assert check_summary(res.run_dir) == []  # job-wide, and as events.jsonl/metrics.jsonl say
     return fo
 
 

@@ -4,15 +4,17 @@ no C++ stack frames; a bad --inject is refused before anything starts."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
-from tests.helpers.cli import ROOT, run_train
+from tests.helpers.cli import ROOT, metric_rows, run_train
 from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.timeout(400)
@@ -46,48 +48,118 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, demo_data_dir):
     assert res.returncode == 0, res.explain()
     assert "is already complete at step 4" in res.output
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+    # raising max_steps trains on from the final state
+    more = run_train(run_dir, demo_data_dir, 6, "checkpoint.interval=2")
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert [r["step"] for r in metric_rows(run_dir)] == list(range(6))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["steps"], summary["first_loss"]) == (2, metric_rows(run_dir)[4]["loss"])
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mecefo-coord-*"))) <= coord_dirs
 
 
-def test_killing_the_launcher_leaves_no_process_and_no_cpp_frames(tmp_path, demo_data_dir):
-    """SIGKILL of mecefo-launch mid-run, with async checkpoint writers forked by the trainers:
-    every process of the job is gone within seconds."""
-    import psutil
+def _job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, command line) of every live process whose environment holds
+    `mark`: every process of a job inherits it (forked and spawned writers too), whoever its
+    parent is now."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as fh:
+                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if mark in env and state != "Z":
+            found[int(entry)] = (int(ppid), state, cmd)
+    return found
 
-    seen: set[int] = set()
 
-    def kill_launcher(proc, run_dir):
-        metrics = run_dir / "metrics.jsonl"
-        deadline = time.monotonic() + 180
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
-            assert proc.poll() is None and time.monotonic() < deadline, "the job never started"
-            seen.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
+def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 180) -> int:
+    """Wait for a trainer to be mid-save (a forked writer alive, and megatron's spawned
+    result-queue process up under a trainer whose command line holds `trainer`) and SIGSTOP that
+    writer, so the launcher is killed while the save is still under way however fast it is;
+    returns the writer's pid."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint writer seen"
+        procs = _job_processes(mark)
+        spawned = any(
+            "multiprocessing.spawn" in cmd and trainer in procs.get(ppid, (0, "", ""))[2]
+            for ppid, _, cmd in procs.values()
+        )
+        writers = [  # a fork of a trainer: same command line as its parent
+            pid
+            for pid, (ppid, _, cmd) in procs.items()
+            if "megatron_mecefo" in cmd and ppid in procs and procs[ppid][2] == cmd
+        ]
+        for pid in writers if spawned else ():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                continue
             time.sleep(0.05)
-        seen.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
-        os.kill(proc.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            alive = [
-                pid
-                for pid in seen
-                if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-            ]
-            if not alive:
-                return
+            if _job_processes(mark).get(pid, (0, ""))[1] == "T":
+                return pid
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+def test_killing_the_launcher_leaves_no_process_behind(tmp_path, demo_data_dir, monkeypatch, sig):
+    """SIGKILL or SIGTERM to mecefo-launch mid-save (async checkpoints every 2 steps; a forked
+    writer is held stopped): within a bound no process of the job is left, whatever it was
+    (store host, coordinator, trainers, warm spare, forked writers, megatron's spawned queue
+    process), and no trainer prints a traceback or C++ frames. With SIGKILL the agent cannot
+    clean up: rank 0 is killed first and restarted in the warm spare, so a trainer that began
+    as a spare is saving too when the launcher dies."""
+    mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
+    monkeypatch.setenv(*mark.split("="))
+    mark = mark.encode()
+    seen: dict[int, tuple[int, str, str]] = {}
+    log_at_signal = []
+    # SIGKILL: the kernel kills the agent's children at once (PDEATHSIG), well before they
+    # would stop by themselves on losing the store (failover.coordinator_timeout_s = 5 s);
+    # SIGTERM: the agent stops its children's groups (waiting <= 10 s), then the store host
+    bound_s = 3.0 if sig == signal.SIGKILL else 20.0
+    spare = "megatron_mecefo.failover.spare"
+
+    def signal_mid_save(proc, run_dir):
+        writer = _stop_a_checkpoint_writer(mark, proc, spare if sig == signal.SIGKILL else "")
+        seen.update(_job_processes(mark))
+        log_at_signal.append(len((tmp_path / "run.log").read_bytes()))
+        os.kill(proc.pid, sig)
+        t0 = time.monotonic()
+        left = seen
+        while left and time.monotonic() - t0 < bound_s:
             time.sleep(0.1)
-        raise AssertionError(f"left behind: {[psutil.Process(p).cmdline()[:4] for p in alive]}")
+            left = _job_processes(mark)
+        assert not left, f"{writer=} left {time.monotonic() - t0:.0f} s after {sig!r}: {left}"
 
     res = launch(
         tmp_path,
         demo_data_dir,
         nproc=2,
         steps=100000,
-        while_running=kill_launcher,
+        while_running=signal_mid_save,
+        inject=("kill:0:1",) if sig == signal.SIGKILL else (),
         overrides=("checkpoint.interval=2", "checkpoint.async_save=true"),
         timeout_s=300,
     )
-    assert len(seen) >= 4  # store host, coordinator, 2 trainers (+ spares, writers)
-    assert "frame #" not in res.output and "Exception raised from" not in res.output
+    kinds = [cmd.split(" -m ")[-1].split()[0] for _, _, cmd in seen.values() if " -m " in cmd]
+    for kind in ("failover.agent", "store_host", "coordinator", "train", "spare"):
+        assert any(k.endswith(kind) for k in kinds), (kind, kinds)
+    assert any("multiprocessing.spawn" in cmd for _, _, cmd in seen.values())
+    after = res.output.encode()[log_at_signal[0] :].decode(errors="replace")
+    for bad in ("Traceback", "frame #", "Exception raised from"):
+        assert bad not in after, after[-3000:]
+    trainer_lines = [  # not the agents' and coordinator's ([...]) or a step's progress line
+        x for x in after.splitlines() if x.strip() and not x.startswith(("[", "step "))
+    ]
+    assert len(trainer_lines) <= 2, after[-3000:]  # at most one line per rank
 
 
 @pytest.mark.parametrize(
@@ -127,3 +199,28 @@ def test_a_bad_injection_is_refused_before_launch(tmp_path, demo_data_dir, spec,
         assert out.returncode == 2, (cmd[:3], out.stdout[-2000:], out.stderr[-2000:])
         assert message in out.stderr and out.stderr.count("\n") == 1, out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_summary_of_a_resumed_run_counts_its_own_launch(tmp_path, demo_data_dir):
+    """A resumed run appends to events.jsonl: the second launch's summary counts its own steps
+    and failures, and agrees with the part of events.jsonl and metrics.jsonl that is its own."""
+    from megatron_mecefo.metrics.summary import check_summary
+
+    common = ("checkpoint.interval=4", "logging.print_interval=0")
+    first = launch(
+        tmp_path, demo_data_dir, nproc=2, steps=8, inject=("kill:1:3",), overrides=common
+    )
+    assert first.returncode == 0, first.explain()
+    size = (first.run_dir / "events.jsonl").stat().st_size
+    second = launch(
+        tmp_path, demo_data_dir, nproc=2, steps=14, inject=("kill:1:10",), overrides=common
+    )
+    assert second.returncode == 0, second.explain()
+    summary = second.summary()
+    fo = summary["failover"]
+    assert (summary["start_step"], summary["steps"]) == (8, 6)
+    assert fo["events_start"] == size and fo["failures"] == 1, fo
+    assert [e["type"] for e in second.events()].count("failure") == 2  # one per launch
+    ours = [e for e in second.events() if e["step"] >= 8]
+    assert ours and all(0 <= e["time_s"] < second.wall_s for e in ours)  # this launch's clock
+    assert check_summary(second.run_dir) == []

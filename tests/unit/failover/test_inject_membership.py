@@ -8,6 +8,8 @@ from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.failover import inject
 from megatron_mecefo.failover.membership import Membership
 
+pytestmark = pytest.mark.timeout(30)
+
 
 def test_parse_inject():
     assert inject.parse_inject("kill:2:10:5") == inject.InjectionSpec("kill", 2, 10, 5)
@@ -21,6 +23,21 @@ def test_parse_inject():
 def test_parse_inject_rejects(text):
     with pytest.raises(ConfigError, match="KIND:RANK:STEP"):
         inject.parse_inject(text)
+
+
+@pytest.mark.parametrize(
+    "text", ["kill: 1:3", "kill:1 :3", "kill:+1:3", "kill:1:3 ", "kill:1:3:_2"]
+)
+def test_parse_inject_rejects_anything_but_plain_numbers(text):
+    with pytest.raises(ConfigError, match="plain numbers"):
+        inject.parse_inject(text)
+
+
+def test_injection_beyond_the_last_step_is_refused():
+    """An injection at a step the run never reaches would silently never fire."""
+    inject.check_steps([inject.parse_inject("kill:0:9"), inject.parse_inject("kill:0:rejoin")], 10)
+    with pytest.raises(ConfigError, match=r"at step 10, but the job runs steps 0..9"):
+        inject.check_steps([inject.parse_inject("kill:0:10")], max_steps=10)
 
 
 def test_scenario_injections_cover_every_tp_rank(tmp_path):

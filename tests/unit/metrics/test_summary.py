@@ -54,26 +54,94 @@ def test_samples_lost_are_counted_from_every_row(tmp_path):
     assert out["failover"]["samples_lost"] == 2
 
 
+def _events(path, events):
+    """Lines as the coordinator writes them (each with its `seq`, 1-based per launch)."""
+    with open(path, "a") as fh:
+        for seq, event in enumerate(events, start=1):
+            fh.write(json.dumps({**event, "seq": seq}) + "\n")
+
+
 def test_check_summary_names_each_disagreement(tmp_path):
     _rows(tmp_path / "metrics.jsonl", range(10), degraded={3})
-    events = [{"type": "failure"}, {"type": "detection"}, {"type": "rejoin"}]
-    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    events = [
+        {"type": "failure"},
+        {"type": "detection", "latency_ms": 40.0},
+        {"type": "step_redone"},
+        {"type": "rejoin"},
+    ]
+    _events(tmp_path / "events.jsonl", events)
     good = job_wide(
-        {"failover": {"failures": 1, "rejoins": 1, "samples_lost": 0}},
+        {"failover": {"samples_lost": 0}},
         tmp_path / "metrics.jsonl",
         start_step=0,
         expected_microbatches=8,
+        events=events,
+        events_seq=4,
     )
+    assert good["failover"]["steps_redone"] == 1 and good["failover"]["detection_ms"] == [40.0]
     (tmp_path / "summary.json").write_text(json.dumps(good))
     assert check_summary(tmp_path) == []
     bad = {
         **good,
         "steps": 4,
         "first_loss": 4.0,
-        "failover": {**good["failover"], "failures": 0, "steps_degraded": 0},
+        "failover": {**good["failover"], "failures": 0, "steps_degraded": 0, "steps_redone": 0},
     }
     (tmp_path / "summary.json").write_text(json.dumps(bad))
     problems = check_summary(tmp_path)
-    assert len(problems) == 4, problems
+    assert len(problems) == 5, problems
     assert any("steps 4 but metrics.jsonl has 10" in p for p in problems)
     assert any("failover.failures = 0 but events.jsonl has 1" in p for p in problems)
+    assert any("failover.steps_redone = 0 but events.jsonl has 1" in p for p in problems)
+
+
+def test_check_summary_reads_only_this_launchs_events(tmp_path):
+    """A resumed run appends to events.jsonl: the summary counts the events of its own launch
+    (from the line where it began, up to the last one it saw), and so does the check."""
+    _rows(tmp_path / "metrics.jsonl", range(6, 10))
+    earlier = [{"type": "failure"}, {"type": "rejoin"}, {"type": "failure"}]
+    _events(tmp_path / "events.jsonl", earlier)  # the first launch
+    start = (tmp_path / "events.jsonl").stat().st_size
+    ours = [{"type": "failure"}, {"type": "step_redone"}]
+    # this launch (seq from 1 again), and a rejoin posted after the leader wrote the summary
+    _events(tmp_path / "events.jsonl", [*ours, {"type": "rejoin"}])
+    summary = job_wide(
+        {"failover": {"samples_lost": 0}},
+        tmp_path / "metrics.jsonl",
+        start_step=6,
+        expected_microbatches=8,
+        events=ours,
+        events_seq=2,
+        events_start=start,
+    )
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert check_summary(tmp_path) == []  # the late rejoin (seq 3 > events_seq) is not counted
+    fo = summary["failover"]
+    (tmp_path / "summary.json").write_text(
+        json.dumps({**summary, "failover": {**fo, "events_start": 0}})
+    )
+    assert any("failover.failures = 1 but events.jsonl has 2" in p for p in check_summary(tmp_path))
+
+
+def test_posted_events_reads_the_store_not_the_file():
+    """The leader counts the posted events from the store itself: it never depends on how far the
+    coordinator has copied them to events.jsonl, and waits (bounded) for one whose counter was
+    bumped but whose value is not written yet."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_mecefo.failover import keys
+    from megatron_mecefo.failover.session import posted_events
+
+    store = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(5)
+    )
+    keys.post_event(store, "failure", step=3, dp_rank=1)
+    keys.post_event(store, "step_redone", step=3, dp_rank=None)
+    store.add(keys.EVENT_SEQ, 1)  # a poster that died between its two writes
+    t0 = time.monotonic()
+    events, seq = posted_events(store, wait_s=0.3)
+    assert [e["type"] for e in events] == ["failure", "step_redone"] and seq == 3
+    assert 0.3 <= time.monotonic() - t0 < 2.0

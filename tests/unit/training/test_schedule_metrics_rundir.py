@@ -113,6 +113,18 @@ def test_run_dir_refuses_existing_run_and_discards_on_failed_setup(tmp_path):
     assert existing.exists(), "a directory the user made must never be deleted"
 
 
+@pytest.mark.timeout(30)
+def test_resume_drops_metric_rows_it_will_redo_and_a_row_cut_short(tmp_path):
+    """A crashed run may have logged past its last checkpoint and cut its last row short; resuming
+    keeps the rows before the resume step and does not trip over the broken one."""
+    from megatron_mecefo.training.run_dir import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(6)) + '{"step": 6, "lo')
+    truncate_metrics(path, 4)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1, 2, 3]
+
+
 def test_step_plan_scales():
     plan = failure_free_plan(dp_rank=1, num_replicas=4, num_microbatches=3)
     assert [t.source_dp_rank for t in plan.tasks] == [1, 1, 1]

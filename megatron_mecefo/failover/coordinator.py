@@ -34,6 +34,8 @@ from megatron_mecefo.failover.liveness import NodeWatch, Verdict, node_key
 from megatron_mecefo.failover.spares import SparePool
 from megatron_mecefo.metrics.events import EventWriter
 
+EVENT_WAIT_S = 5.0
+"""How long a posted event number may lack its value before it is skipped (its poster died)."""
 PAUSE_S = 1.0
 """A gap between two ticks longer than this means the coordinator itself was not running (starved,
 stopped, restarted): the heartbeat ages it measured are not evidence, so they restart from now."""
@@ -131,6 +133,7 @@ class Coordinator:
         self._last_tick: float | None = None  # when the previous tick ended
         self._front: tuple[int, int] | None = None  # furthest (step, phase) among members
         self._front_of: dict | None = None  # the progress map `_front` was computed from
+        self._event_missing: dict[int, float] = {}  # event index -> first seen without a value
         self._stale_inc: dict[int, int] = {}  # rank -> a dead incarnation still listed a member
         self.epoch = 0
 
@@ -552,8 +555,16 @@ class Coordinator:
         last = keys.get_int(self.store, keys.EVENT_SEQ, 0)
         while self.next_event <= last:
             key = keys.event(self.next_event)
-            if not self.store.check([key]):
-                return  # posted counter first, value next: read it on the next tick
+            if not self.store.check([key]):  # posted counter first, value next: next tick
+                since = self._event_missing.setdefault(self.next_event, time.monotonic())
+                if time.monotonic() - since < EVENT_WAIT_S:
+                    return
+                self.log(
+                    f"[coordinator] event {self.next_event} was never written (its poster "
+                    f"died between the two store calls); skipping it"
+                )
+                self.next_event += 1
+                continue
             ev = json.loads(self.store.get(key))
             epoch = ev.pop("epoch_s")
             ev_type = ev.pop("type")

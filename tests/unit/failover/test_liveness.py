@@ -257,3 +257,22 @@ def test_a_long_tick_is_not_a_pause(store):
     c._read_dead_reports = long_read
     run_ticks(c, store, beating=(0, 1, 3), seconds=6.0)
     assert members(store) == (2, [0, 1, 3])
+
+
+def test_an_event_whose_poster_died_midway_does_not_block_the_rest(store, tmp_path, monkeypatch):
+    """A process that bumps the event counter and dies before writing the value: the coordinator
+    skips that number after a bounded wait, and later events still reach events.jsonl."""
+    from megatron_mecefo.failover import coordinator as coord
+
+    monkeypatch.setattr(coord, "EVENT_WAIT_S", 0.3)
+    c = make(store)
+    store.set(keys.RUN_DIR, f"{tmp_path}|{time.time()}")
+    store.add(keys.EVENT_SEQ, 1)  # the dead poster's half
+    keys.post_event(store, "abort", step=1, dp_rank=None, detail="after the gap")
+    c.tick()
+    assert not (tmp_path / "events.jsonl").read_text().strip()
+    time.sleep(0.4)
+    c.tick()
+    c.close()
+    rows = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(r["type"], r["seq"]) for r in rows] == [("abort", 2)]

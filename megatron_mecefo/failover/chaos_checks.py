@@ -62,9 +62,16 @@ def committed_tasks(run_dir: Path, *, rolled_back: bool = False) -> tuple[Counte
     `rolled_back`: the job recovered in place after losing every replica (a `recovery` event),
     so it may redo steps it had committed before; in a rank's log, rows of an earlier
     incarnation with a step at or after the step its next incarnation starts from are dropped
-    (the recovery discarded them). Without a rollback every row counts."""
+    (the recovery discarded them). Without a rollback every row counts.
+
+    Sample-granular takeover logs slices, [replica, micro, degraded, start, stop], with the row's
+    `micro_batch_size`: a micro-batch counts c when each of its samples was committed c times
+    (whole or in slices); uneven coverage is a problem line and counts as its most-covered
+    sample."""
     counts: Counter = Counter()
     problems: list[str] = []
+    per_sample: dict[tuple, Counter] = {}  # micro-batches with a slice: sample -> commits
+    sizes: dict[tuple, int] = {}  # their micro-batch size
     files = sorted((Path(run_dir) / "audit").glob("tasks_rank*.jsonl"))
     for path in files:
         rows, bad = read_jsonl(path)
@@ -76,7 +83,17 @@ def committed_tasks(run_dir: Path, *, rolled_back: bool = False) -> tuple[Counte
             kept.append(row)
         for row in kept:
             for task in row.get("tasks", []):
-                counts[(row["step"], task[0], task[1])] += 1
+                key = (row["step"], task[0], task[1])
+                if len(task) >= 5:  # a slice
+                    per_sample.setdefault(key, Counter()).update(range(task[3], task[4]))
+                    sizes[key] = int(row.get("micro_batch_size", task[4]))
+                else:
+                    counts[key] += 1
+    for key, slices in per_sample.items():
+        covered = [counts[key] + slices[j] for j in range(max(sizes[key], max(slices) + 1))]
+        if min(covered) != max(covered):
+            problems.append(f"audit: samples of {key} committed unevenly: {covered}")
+        counts[key] = max(covered)
     return counts, problems
 
 

@@ -338,6 +338,8 @@ class FailoverManager(TrainHook):
                     target_ratio=self.cfg.mecefo.hybrid_target_ratio,
                     choose_techniques=self.cfg.mecefo.hybrid_techniques == "auto",
                     allowed_techniques=self.cfg.mecefo.techniques,
+                    granularity=self.cfg.mecefo.takeover_granularity,
+                    micro_batch_size=self.cfg.training.micro_batch_size,
                 )
                 plan = plans[self.replica]
                 self._job_degraded = any(p.num_degraded for p in plans.values())
@@ -717,8 +719,13 @@ class FailoverManager(TrainHook):
             path.parent.mkdir(parents=True, exist_ok=True)
             self._task_log = open(path, "a", buffering=1)
         plan = plan or engine.default_plan()
-        tasks = [[t.source_dp_rank, t.micro_index, int(t.degraded)] for t in plan.tasks]
+        # a slice adds its sample range: [replica, micro, degraded, start, stop]
+        tasks = [
+            [t.source_dp_rank, t.micro_index, int(t.degraded), *(t.samples or ())]
+            for t in plan.tasks
+        ]
         line = {"step": step, "replica": self.replica, "inc": self.incarnation, "tasks": tasks}
+        line["micro_batch_size"] = self.cfg.training.micro_batch_size
         self._task_log.write(json.dumps(line) + "\n")
 
     def summary(self) -> dict[str, Any]:

@@ -47,6 +47,12 @@ class MecefoConfig:
     """How V is computed: full SVD, or randomized range finder (cheaper at large shapes)."""
     takeover_policy: Literal["neighbor", "spread", "hybrid"] = "neighbor"
     """Who runs a dead replica's micro-batches: ring neighbour (MeCeFO), all survivors, hybrid."""
+    takeover_granularity: Literal["microbatch", "sample"] = "microbatch"
+    """`spread` / `hybrid`: what survivors take over. `microbatch`: whole micro-batches (the
+    slowest survivor runs M + ceil(M d / (n - d)) of them). `sample`: the orphaned micro-batches
+    are cut into sample slices so the slowest runs 1 + ceil(M b d / (n - d)) / (M b) of a normal
+    load (b = micro-batch size); exact, since a slice's loss counts its samples' share of the
+    micro-batch. `neighbor` always hands whole micro-batches to one neighbour."""
     hybrid_target_ratio: float = 1.15
     """hybrid: the slowest rank's step time must stay under this multiple of a normal rank's."""
     hybrid_techniques: Literal["fixed", "auto"] = "fixed"
@@ -85,6 +91,11 @@ class MecefoConfig:
             )
         if self.tau < 1:
             raise ValueError(f"tau must be >= 1 step, got {self.tau}")
+        if self.takeover_granularity not in ("microbatch", "sample"):
+            raise ValueError(
+                "takeover_granularity must be 'microbatch' or 'sample', got "
+                f"{self.takeover_granularity!r}"
+            )
         if self.hybrid_target_ratio < 1.0:
             raise ValueError("hybrid_target_ratio must be >= 1.0 (a multiple of a normal step)")
         if self.hybrid_techniques not in ("fixed", "auto"):

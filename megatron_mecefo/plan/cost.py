@@ -114,6 +114,11 @@ class CostModel:
     """Measured time of one degraded micro-batch per technique set, as (`DegradedTechniques.key`,
     seconds) pairs: the candidates `hybrid` may choose among with `hybrid_techniques: auto` (a set
     without an entry is never chosen). `degraded_microbatch_s` is the configured set's time."""
+    slice_overhead_s: float = 0.0
+    """Sample granularity: a slice of k of a micro-batch's b samples costs k/b of a whole
+    micro-batch (exact or degraded) plus this fixed time (per-task work that does not shrink with
+    the samples: Python, kernel launches, data, a device's lower efficiency on small batches).
+    0.0 = proportional. Measured by `tools/bench/granularity.py`."""
 
     def __post_init__(self) -> None:
         if self.exact_microbatch_s <= 0 or self.degraded_microbatch_s <= 0:
@@ -124,6 +129,10 @@ class CostModel:
             DegradedTechniques.from_key(key)  # raises on an unknown label
             if seconds <= 0:
                 raise ValueError(f"technique set {key!r}: micro-batch time must be > 0")
+        if not math.isfinite(self.slice_overhead_s) or self.slice_overhead_s < 0:
+            raise ValueError(
+                f"slice_overhead_s must be finite and >= 0, got {self.slice_overhead_s}"
+            )
         if not math.isfinite(self.step_overhead_s) or self.step_time(1, 0) <= 0:
             raise ValueError(
                 "step_overhead_s must be finite and leave a positive one-micro-batch step time"
@@ -136,6 +145,23 @@ class CostModel:
             + num_exact * self.exact_microbatch_s
             + num_degraded * self.degraded_microbatch_s
         )
+
+    def task_time(
+        self,
+        fraction: float = 1.0,
+        *,
+        degraded: bool = False,
+        techniques: DegradedTechniques | None = None,
+    ) -> float | None:
+        """Time of one task: a whole micro-batch (`fraction` 1.0) or a slice running `fraction`
+        of its samples (pays `slice_overhead_s` on top of its share). None if degraded with a
+        technique set that was not measured."""
+        whole = self.exact_microbatch_s if not degraded else self.degraded_time(techniques)
+        if whole is None:
+            return None
+        if fraction >= 1.0:
+            return whole
+        return fraction * whole + self.slice_overhead_s
 
     def degraded_time(self, techniques: DegradedTechniques | None = None) -> float | None:
         """Time of one degraded micro-batch with these techniques (None: the configured set);
@@ -157,6 +183,7 @@ class CostModel:
         degraded_microbatch_s: float,
         step_overhead_s: float = 0.0,
         technique_microbatch_s: dict[str, float] | tuple | list = (),
+        slice_overhead_s: float = 0.0,
     ) -> CostModel:
         """A cost model from measured times (seconds); `technique_microbatch_s` maps
         `DegradedTechniques.key` to a degraded micro-batch's time with that set."""
@@ -168,6 +195,7 @@ class CostModel:
             degraded_microbatch_s=degraded_microbatch_s,
             step_overhead_s=step_overhead_s,
             technique_microbatch_s=tuple(tuple(p) for p in pairs),
+            slice_overhead_s=slice_overhead_s,
         )
 
     @classmethod

@@ -5,6 +5,12 @@
 of the failure-free job is run exactly once by some survivor. Gradient scaling follows the contract
 in `plan/step_plan.py`: ordinary grads 1/n, attention/input-norm grads M/E (E = exact micro-
 batches in the group), which is 1/|N| for MeCeFO's Neighbor-Do-Both.
+
+Granularity (`spread`, `hybrid`): `microbatch` hands out whole micro-batches, so the slowest
+survivor runs M + ceil(M d / (n - d)) of them; `sample` cuts the orphaned micro-batches into
+sample slices so that every survivor runs floor or ceil of d M b / (n - d) extra samples
+(b = micro-batch size): whole micro-batches first, slices only for the remainder, a slice never
+crossing a micro-batch. "Exactly once" then holds per sample.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
 from megatron_mecefo.plan.techniques import ALL_TECHNIQUES, DegradedTechniques
 
 POLICIES = ("neighbor", "spread", "hybrid")
+GRANULARITIES = ("microbatch", "sample")
 
 
 def _check_alive(alive: Sequence[int], num_replicas: int) -> list[int]:
@@ -72,6 +79,8 @@ def make_step_plans(
     target_ratio: float = 1.15,
     choose_techniques: bool = False,
     allowed_techniques: DegradedTechniques = ALL_TECHNIQUES,
+    granularity: str = "microbatch",
+    micro_batch_size: int = 1,
 ) -> dict[int, RankStepPlan]:
     """Plans for every alive replica for one step.
 
@@ -100,16 +109,21 @@ def make_step_plans(
             Off: degraded tasks carry `techniques=None` (the configured set), as before.
         allowed_techniques: The techniques the config switches on (candidates are its non-empty
             subsets that `cost` has a time for).
+        granularity: `microbatch` (whole micro-batches) or `sample` (`spread` and `hybrid` cut
+            the orphaned micro-batches into sample slices; `neighbor` ignores it).
+        micro_batch_size: b, samples per micro-batch (`sample` granularity only).
 
     Returns:
         {logical replica index: RankStepPlan} for every alive replica. Tasks list the rank's own
         micro-batches first, then taken-over ones by (source replica, micro index).
         `masked_scale` is M/E (E = micro-batches in the group that compute attention gradients:
-        exact ones and degraded ones without the skip; 0.0 when E = 0, so attention and
-        input-norm weights get a zero gradient) if any task skips attention, else None.
+        exact ones and degraded ones without the skip, slices counting their share; 0.0 when
+        E = 0, so attention and input-norm weights get a zero gradient) if any task skips
+        attention, else None.
 
     Raises:
-        ValueError: no survivor, replicas out of range, bad M, policy or target_ratio.
+        ValueError: no survivor, replicas out of range, bad M, policy, target_ratio,
+            granularity or micro_batch_size.
     """
     survivors = _check_alive(alive, num_replicas)
     if num_microbatches < 1:
@@ -118,26 +132,42 @@ def make_step_plans(
         raise ValueError(f"unknown takeover policy {policy!r}; choose one of {POLICIES}")
     if target_ratio < 1.0:
         raise ValueError(f"target_ratio must be >= 1.0, got {target_ratio}")
-    n, m = num_replicas, num_microbatches
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"unknown granularity {granularity!r}; choose one of {GRANULARITIES}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    n, m, b = num_replicas, num_microbatches, micro_batch_size
     dead = [r for r in range(n) if r not in set(survivors)]
     tasks = {r: [MicroBatchTask(r, i) for i in range(m)] for r in survivors}
+    sliced = granularity == "sample" and policy != "neighbor" and b > 1
     if policy == "neighbor":
         _assign_neighbor(tasks, dead, survivors, n, m)
     else:
-        _assign_spread(tasks, dead, survivors, n, m)
-        if policy == "hybrid" and choose_techniques:
+        if sliced:
+            _assign_spread_samples(tasks, dead, survivors, n, m, b)
+        else:
+            _assign_spread(tasks, dead, survivors, n, m)
+        if policy == "hybrid" and sliced:
+            _degrade_slices_to_target(
+                tasks, m, b, cost, target_ratio, allowed_techniques if choose_techniques else None
+            )
+        elif policy == "hybrid" and choose_techniques:
             _choose_techniques(tasks, m, cost, target_ratio, allowed_techniques)
         elif policy == "hybrid":
             _degrade_to_target(tasks, m, cost, target_ratio)
-    num_attention = sum(not t.skips_attention for ts in tasks.values() for t in ts)
-    any_skipped = num_attention < n * m
-    masked_scale = (m / num_attention if num_attention else 0.0) if any_skipped else None
+    # E in samples, so slices count their share (in whole micro-batches m * b / (E * b) = m / E)
+    num_attention = sum(
+        t.num_samples(b) for ts in tasks.values() for t in ts if not t.skips_attention
+    )
+    any_skipped = num_attention < n * m * b
+    masked_scale = (m * b / num_attention if num_attention else 0.0) if any_skipped else None
     return {
         r: RankStepPlan(
             tasks=tuple(tasks[r]),
             num_replicas=n,
             microbatches_per_replica=m,
             masked_scale=masked_scale,
+            micro_batch_size=b if sliced else None,
         )
         for r in survivors
     }
@@ -170,6 +200,128 @@ def _assign_spread(
     for r in survivors:
         own = [t for t in tasks[r] if t.source_dp_rank == r]
         tasks[r] = own + sorted((t for t in tasks[r] if t.source_dp_rank != r), key=_task_key)
+
+
+def _assign_spread_samples(
+    tasks: dict[int, list[MicroBatchTask]],
+    dead: list[int],
+    survivors: list[int],
+    n: int,
+    m: int,
+    b: int,
+) -> None:
+    """Sample granularity: survivor k takes quota_k = floor or ceil(d m b / s) orphaned samples
+    (the ceil goes to the survivors nearest after the first dead replica in ring order): first
+    floor(quota_k / b) whole micro-batches, then the rest of its quota as slices cut from the
+    micro-batches left over, in (replica, micro-batch, sample) order (a slice never crosses a
+    micro-batch, so a survivor gets at most two)."""
+    orphans = [(f, i) for f in dead for i in range(m)]
+    if not orphans:
+        return
+    order = sorted(survivors, key=lambda r: ((r - dead[0]) % n, r))
+    base, extra = divmod(len(orphans) * b, len(order))
+    quota = {r: base + (k < extra) for k, r in enumerate(order)}
+    pos = 0
+    for r in order:  # whole micro-batches first
+        whole = quota[r] // b
+        tasks[r].extend(MicroBatchTask(f, i) for f, i in orphans[pos : pos + whole])
+        quota[r] -= whole * b
+        pos += whole
+    left = orphans[pos:]
+    cursor = 0  # position in the stream of the left-over micro-batches' samples
+    for r in order:
+        need = quota[r]
+        while need:
+            j, start = divmod(cursor, b)
+            stop = min(b, start + need)
+            f, i = left[j]
+            task = (
+                MicroBatchTask(f, i)
+                if stop - start == b
+                else MicroBatchTask(f, i, False, None, (start, stop))
+            )
+            tasks[r].append(task)
+            need -= stop - start
+            cursor += stop - start
+    assert cursor == len(left) * b, "every orphaned sample is assigned once"
+    for r in survivors:
+        own = [t for t in tasks[r] if t.source_dp_rank == r]
+        tasks[r] = own + sorted((t for t in tasks[r] if t.source_dp_rank != r), key=_task_key)
+
+
+def _degrade_slices_to_target(
+    tasks: dict[int, list[MicroBatchTask]],
+    m: int,
+    b: int,
+    cost: CostModel,
+    target_ratio: float,
+    allowed: DegradedTechniques | None,
+) -> None:
+    """`hybrid` at sample granularity: per rank over the target, degrade tasks from the end
+    (taken-over slices and micro-batches first, then own ones) until the predicted step time
+    meets it; all if it cannot. With `allowed` (techniques auto), each measured subset is tried
+    and the least accuracy cost (fraction-weighted) among those that fit wins, as in
+    `_choose_techniques`."""
+    target_s = target_ratio * cost.step_time(m, 0)
+    if allowed is None:
+        candidates = [(None, 0.0)]
+    else:
+        candidates = [(t, t.accuracy_cost) for t in cost.measured_techniques if t.issubset(allowed)]
+    for r, ts in tasks.items():
+        fractions = [t.num_samples(b) / b for t in ts]
+        if _rank_time(cost, fractions, 0, None) <= target_s * (1 + 1e-12) or not candidates:
+            continue
+        options = []
+        for techniques, accuracy_per_mb in candidates:
+            k = next(
+                (
+                    k
+                    for k in range(1, len(ts) + 1)
+                    if _rank_time(cost, fractions, k, techniques) <= target_s * (1 + 1e-12)
+                ),
+                None,
+            )
+            fits = k is not None
+            k = len(ts) if k is None else k
+            step_s = _rank_time(cost, fractions, k, techniques)
+            if step_s is None:
+                continue
+            accuracy = accuracy_per_mb * sum(fractions[len(ts) - k :])
+            key = (0, accuracy, step_s) if fits else (1, step_s, accuracy)
+            name = () if techniques is None else (len(techniques.names), techniques.key)
+            options.append((key + name, techniques, k))
+        # nothing degraded competes as a non-fitting option (degrading may not be faster)
+        options.append(((1, _rank_time(cost, fractions, 0, None), 0.0, -1, ""), None, 0))
+        _, chosen, k = min(options, key=lambda o: o[0])
+        num = len(ts)
+        tasks[r] = [
+            MicroBatchTask(
+                t.source_dp_rank,
+                t.micro_index,
+                j >= num - k,
+                chosen if j >= num - k else None,
+                t.samples,
+            )
+            for j, t in enumerate(ts)
+        ]
+
+
+def _rank_time(
+    cost: CostModel,
+    fractions: list[float],
+    num_degraded: int,
+    techniques: DegradedTechniques | None,
+) -> float | None:
+    """Predicted step time of a rank whose last `num_degraded` tasks are degraded."""
+    total = cost.step_overhead_s
+    first_degraded = len(fractions) - num_degraded
+    for j, fraction in enumerate(fractions):
+        degraded = j >= first_degraded
+        seconds = cost.task_time(fraction, degraded=degraded, techniques=techniques)
+        if seconds is None:
+            return None
+        total += seconds
+    return total
 
 
 def _degrade_to_target(
@@ -243,20 +395,22 @@ def _choose_techniques(
         ]
 
 
-def _task_key(t: MicroBatchTask) -> tuple[int, int]:
-    return (t.source_dp_rank, t.micro_index)
+def _task_key(t: MicroBatchTask) -> tuple[int, int, tuple[int, int]]:
+    return (t.source_dp_rank, t.micro_index, t.samples or (0, 0))
 
 
 def plan_step_times(plans: dict[int, RankStepPlan], cost: CostModel) -> dict[int, float]:
     """Predicted step time of each rank under `cost` (each degraded task at its technique set's
-    time; a set without a measured time raises KeyError)."""
+    time, a slice at its share plus `slice_overhead_s`; a set without a measured time raises
+    KeyError)."""
 
-    def task_s(t: MicroBatchTask) -> float:
-        if not t.degraded:
-            return cost.exact_microbatch_s
-        seconds = cost.degraded_time(t.techniques)
+    def task_s(p: RankStepPlan, t: MicroBatchTask) -> float:
+        seconds = cost.task_time(p.task_fraction(t), degraded=t.degraded, techniques=t.techniques)
         if seconds is None:
             raise KeyError(f"cost model has no time for technique set {t.techniques.key!r}")
         return seconds
 
-    return {r: cost.step_overhead_s + sum(map(task_s, p.tasks)) for r, p in plans.items()}
+    def rank_s(p: RankStepPlan) -> float:
+        return cost.step_overhead_s + sum(task_s(p, t) for t in p.tasks)
+
+    return {r: rank_s(p) for r, p in plans.items()}

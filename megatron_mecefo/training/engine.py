@@ -54,7 +54,10 @@ class StepResult:
     committed: bool = True
     """False when the commit vote rejected the step: no update was applied, redo it."""
     global_microbatches: int = 0
-    """Micro-batches the whole group ran this step (n x M when nothing was lost)."""
+    """Whole micro-batches' worth the whole group ran this step: its samples // micro-batch size
+    (n x M when nothing was lost; a lost slice makes it fall short)."""
+    global_samples: int = 0
+    """Samples the whole group ran this step (n x M x micro-batch size when nothing was lost)."""
 
 
 def local_commit(step: int, ok: bool) -> bool:
@@ -133,7 +136,8 @@ class Engine:
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
-        # megatron divides each micro-batch loss by len(tasks); rescale so it is 1/M (see step_plan)
+        # megatron divides each task's loss by len(tasks); rescale so a whole micro-batch weighs
+        # 1/M (see step_plan); a slice's loss is already its share of its micro-batch's
         loss_scale = len(plan.tasks) / plan.microbatches_per_replica
         sampler = self._sampler_for(plan)
         fwd = functools.partial(
@@ -148,7 +152,7 @@ class Engine:
             micro_batch_size=tc.micro_batch_size,
         )
         self.controller.set_degraded(False)
-        loss, global_micro = self._global_mean_loss(outputs)
+        loss, global_samples = self._global_mean_loss(outputs)
         committed = self.commit_vote(step, self.membership.failed is None)
         updated, grad_norm = False, 0.0
         if committed:
@@ -158,7 +162,8 @@ class Engine:
         else:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-        tokens = len(plan.tasks) * tc.micro_batch_size * self.cfg.model.seq_length
+        samples = sum(t.num_samples(tc.micro_batch_size) for t in plan.tasks)
+        tokens = samples * self.cfg.model.seq_length
         global_tokens = (
             plan.num_replicas
             * plan.microbatches_per_replica
@@ -175,7 +180,8 @@ class Engine:
             step_time_s=time.perf_counter() - start,
             updated=bool(updated),
             committed=committed,
-            global_microbatches=global_micro,
+            global_microbatches=global_samples // tc.micro_batch_size,
+            global_samples=global_samples,
         )
 
     def _sampler_for(self, plan: RankStepPlan) -> MicroBatchSampler:
@@ -195,7 +201,13 @@ class Engine:
     def _forward_step(self, data_iterator, model, *, sampler, step: int, loss_scale: float):
         """megatron forward_step_func: one micro-batch in the mode its task asks for."""
         task: MicroBatchTask = next(data_iterator)
-        batch = sampler.get(step, task.source_dp_rank, task.micro_index)
+        batch = sampler.get(step, task.source_dp_rank, task.micro_index, task.samples)
+        # a slice divides by its whole micro-batch's loss tokens: its share, not its own mean
+        denominator = (
+            sampler.loss_tokens(step, task.source_dp_rank, task.micro_index)
+            if task.is_slice
+            else None
+        )
         self.controller.set_degraded(task.degraded, task.techniques)
         device = self.ctx.device
         tokens = batch["tokens"].to(device, non_blocking=True)
@@ -203,19 +215,26 @@ class Engine:
         labels = batch["labels"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         output = model(tokens, position_ids, None, labels=labels)
-        return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale)
+        return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale, denominator)
 
     def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
-        """(mean of the micro-batch losses of all members, micro-batches they ran in total).
+        """(mean of the micro-batch losses of all members, samples they ran in total).
 
-        A member may contribute none. NaN if the reduction failed (the step will not commit).
+        Each output's loss is its micro-batch's, or a slice's share of it; dividing the sum by
+        samples / micro-batch size counts a micro-batch once however it was cut. A member may
+        contribute none. NaN if the reduction failed (the step will not commit).
         """
+        mbs = self.cfg.training.micro_batch_size
         total = torch.tensor(
-            [sum(float(o["loss"]) for o in outputs), float(len(outputs))], dtype=torch.float64
+            [
+                sum(float(o["loss"]) for o in outputs),
+                float(sum(int(o.get("samples", mbs)) for o in outputs)),
+            ],
+            dtype=torch.float64,
         )
         if not self.membership.all_reduce(total):
             return math.nan, 0
-        return float(total[0] / max(float(total[1]), 1.0)), int(total[1])
+        return float(total[0] / max(float(total[1]) / mbs, 1.0)), int(total[1])
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -250,11 +269,24 @@ class Engine:
         destroy_parallel()
 
 
-def _masked_mean_loss(loss_mask: torch.Tensor, loss_scale: float, output: torch.Tensor):
-    """Token-mean loss over `loss_mask`; the backward loss is scaled so micro-batches weigh 1/M."""
+def _masked_mean_loss(
+    loss_mask: torch.Tensor,
+    loss_scale: float,
+    denominator: float | None,
+    output: torch.Tensor,
+):
+    """Token-mean loss over `loss_mask`; the backward loss is scaled so micro-batches weigh 1/M.
+
+    A slice (`denominator` = its whole micro-batch's loss tokens) divides its token sum by the
+    micro-batch's count, so its slices' losses add up to the micro-batch's token mean.
+    """
     mask = loss_mask.reshape(-1).float()
-    loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
-    return loss * loss_scale, {"loss": loss.detach().clone()}
+    if denominator is None:
+        loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
+    else:
+        loss = (output.float().reshape(-1) * mask).sum() / denominator
+    report = {"loss": loss.detach().clone(), "samples": torch.tensor(loss_mask.shape[0])}
+    return loss * loss_scale, report
 
 
 def resolve_bf16(cfg: RunConfig, ctx: ParallelContext) -> bool:

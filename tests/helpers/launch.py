@@ -53,12 +53,25 @@ class LaunchResult:
         return out
 
     def committed_tasks(self) -> list[tuple[int, int, int]]:
-        """Every (step, source replica, micro-batch) any rank committed, with repeats."""
+        """Every (step, source replica, micro-batch) any rank committed, with repeats (a
+        micro-batch cut into slices appears once per slice: see `committed_samples`)."""
         seen = []
         for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
             for line in path.read_text().splitlines():
                 row = json.loads(line)
-                seen += [(row["step"], src, micro) for src, micro, _ in row["tasks"]]
+                seen += [(row["step"], task[0], task[1]) for task in row["tasks"]]
+        return seen
+
+    def committed_samples(self) -> list[tuple[int, int, int, int]]:
+        """Every (step, source replica, micro-batch, sample) any rank committed, with repeats:
+        a whole micro-batch gives all its samples, a slice [.., start, stop] those in range."""
+        seen = []
+        for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
+            for line in path.read_text().splitlines():
+                row = json.loads(line)
+                for task in row["tasks"]:
+                    start, stop = task[3:5] if len(task) >= 5 else (0, row["micro_batch_size"])
+                    seen += [(row["step"], task[0], task[1], j) for j in range(start, stop)]
         return seen
 
     def explain(self) -> str:

@@ -135,3 +135,29 @@ def test_same_address_same_tensors_in_separate_processes(tmp_path, bundle):
             for key, value in expected.items():
                 got = torch.from_numpy(rank_out[addr][key])
                 assert got.dtype == value.dtype and torch.equal(got, value), (addr, key)
+
+
+class MaskedDataset(RangeDataset):
+    """Items whose loss mask zeroes a different number of tokens per sample (like EOD masks)."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        item["loss_mask"] = (torch.arange(4) >= i % 3).float()
+        return item
+
+
+@pytest.mark.timeout(30)
+def test_slices_are_parts_of_their_micro_batch():
+    s = MicroBatchSampler(MaskedDataset(50), micro_batch_size=5, num_microbatches=2, num_replicas=3)
+    for step, r, m in [(0, 0, 0), (1, 2, 1), (9, 1, 0)]:
+        whole = s.get(step, r, m)
+        cuts = [(0, 2), (2, 3), (3, 5)]
+        parts = [s.get(step, r, m, cut) for cut in cuts]
+        for key in whole:
+            assert torch.equal(torch.cat([p[key] for p in parts]), whole[key]), key
+        assert s.sample_indices(step, r, m, (1, 4)) == s.sample_indices(step, r, m)[1:4]
+        # the denominator of every slice: the whole micro-batch's loss tokens, exactly
+        assert s.loss_tokens(step, r, m) == float(whole["loss_mask"].sum())
+    for bad in [(0, 0), (3, 2), (-1, 2), (0, 6)]:
+        with pytest.raises(ValueError, match="slice"):
+            s.sample_indices(0, 0, 0, bad)

@@ -22,6 +22,7 @@ from megatron_mecefo.sim.scenario import injections_to_trace, load_scenario
 from megatron_mecefo.sim.simulator import JobConfig, simulate_all, trace_for_job
 from megatron_mecefo.sim.strategies import (
     MEASURED_NEIGHBOR_STEP_RATIO,
+    MEASURED_REPLACE_S,
     MEASURED_SNAPSHOT_RESTART_S,
     STRATEGY_NAMES,
     StrategyConfig,
@@ -41,7 +42,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_strategies(text: str, args: argparse.Namespace) -> list[StrategyConfig]:
-    """'ckpt,spare:8,replication:3,mecefo:hybrid' -> configs (':' gives r or the policy)."""
+    """'ckpt,spare:8,replication:3,mecefo:hybrid,mecefo:spread:sample' -> configs (':' gives r,
+    or the policy and optionally the granularity; default `--granularity`)."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, _, arg = item.partition(":")
@@ -53,8 +55,12 @@ def parse_strategies(text: str, args: argparse.Namespace) -> list[StrategyConfig
                 raise ConfigError(f"{name} needs a redundancy, e.g. {name}:4 (got {item!r})")
             kw["redundancy"] = int(arg)
         elif name == "mecefo":
-            kw["takeover_policy"] = arg or "hybrid"
+            policy, _, granularity = arg.partition(":")
+            kw["takeover_policy"] = policy or "hybrid"
             kw["neighbor_step_ratio"] = args.neighbor_step_ratio
+            kw["granularity"] = granularity or getattr(args, "granularity", "microbatch")
+            kw["microbatches_per_rank"] = getattr(args, "microbatches", 8)
+            kw["micro_batch_size"] = getattr(args, "micro_batch_size", 4)
         elif arg:
             raise ConfigError(f"strategy {name!r} takes no ':' argument (got {item!r})")
         if name == "snapshot":
@@ -76,6 +82,19 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-time-s", type=float, default=64.0, help="failure-free step time (64)")
     g.add_argument("--save-s", type=float, default=60.0, help="checkpoint save time T_s (60)")
     g.add_argument("--restart-s", type=float, default=3600.0, help="restart time T_r (3600)")
+    g.add_argument(
+        "--spare-nodes",
+        type=int,
+        default=0,
+        help="standby nodes that replace a failed group's node without a restart (0: none)",
+    )
+    g.add_argument(
+        "--replace-s",
+        type=float,
+        default=MEASURED_REPLACE_S,
+        help=f"spare nodes: failure -> full strength again (provisional measured "
+        f"{MEASURED_REPLACE_S} s, tools/bench/node_loss.py)",
+    )
     f = p.add_argument_group("failures")
     f.add_argument("--scenario", help="failure scenario YAML (configs/failures/*.yaml)")
     f.add_argument("--system-mtbf-s", type=float, help="system MTBF m in seconds (overrides)")
@@ -95,6 +114,19 @@ def _job_args(p: argparse.ArgumentParser) -> None:
         help=f"snapshot restart cost (measured {MEASURED_SNAPSHOT_RESTART_S} s; add a cluster's "
         "relaunch time)",
     )
+    s.add_argument(
+        "--granularity",
+        choices=["microbatch", "sample"],
+        default="microbatch",
+        help="MeCeFO spread/hybrid take over whole micro-batches or sample slices "
+        "(per strategy: mecefo:spread:sample)",
+    )
+    s.add_argument(
+        "--microbatches", type=int, default=8, help="MeCeFO micro-batches per rank M (8)"
+    )
+    s.add_argument(
+        "--micro-batch-size", type=int, default=4, help="MeCeFO samples per micro-batch b (4)"
+    )
 
 
 def _job(args) -> JobConfig:
@@ -106,6 +138,8 @@ def _job(args) -> JobConfig:
             step_time_s=args.step_time_s,
             checkpoint_save_s=args.save_s,
             restart_s=args.restart_s,
+            spare_nodes=args.spare_nodes,
+            replace_s=args.replace_s,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -139,11 +173,15 @@ def _json_default(obj):
 
 
 def _fmt_rows(rows: list[dict]) -> list[str]:
-    head = f"{'strategy':<18}{'TTT/T0':>8}{'TTT h':>9}{'uptime':>8}{'restarts':>9}{'T_c s':>8}"
+    head = (
+        f"{'strategy':<22}{'TTT/T0':>8}{'drop':>8}{'TTT h':>9}{'uptime':>8}{'restarts':>9}"
+        f"{'T_c s':>8}"
+    )
     out = [head]
     for r in rows:
+        drop = 1.0 - 1.0 / r["ttt_over_t0"] if r["ttt_over_t0"] > 0 else math.nan
         out.append(
-            f"{r['strategy']:<18}{r['ttt_over_t0']:>8.3f}{r.get('ttt_h', 0):>9.1f}"
+            f"{r['strategy']:<22}{r['ttt_over_t0']:>8.3f}{drop:>8.2%}{r.get('ttt_h', 0):>9.1f}"
             f"{r['uptime_fraction']:>8.3f}{r['restarts']:>9.1f}{r['checkpoint_period_s']:>8.0f}"
         )
     return out
@@ -207,6 +245,8 @@ def cmd_simulate(args) -> None:
     rows = [r.summary() for r in results]
     payload = {
         "num_groups": job.num_groups,
+        "spare_nodes": job.spare_nodes,
+        "replace_s": job.replace_s,
         "t0_h": job.t0_s / 3600,
         "failures_in_trace": int(trace.times_s.size),
         "elapsed_s": time.perf_counter() - start,
@@ -214,9 +254,14 @@ def cmd_simulate(args) -> None:
     }
     if args.plot:
         payload["plot"] = plots.plot_availability(results, args.plot)["path"]
+    spares = (
+        f", {job.spare_nodes} spare nodes (replacement {job.replace_s:g} s)"
+        if job.spare_nodes
+        else ""
+    )
     head = [
         f"N = {job.num_groups} groups, T_0 = {job.t0_s / 3600:.1f} h, "
-        f"{trace.times_s.size} failures in the trace"
+        f"{trace.times_s.size} failures in the trace{spares}"
     ]
     _emit(args, payload, head + _fmt_rows(rows))
 
@@ -374,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument(
         "--strategies",
         default=DEFAULT_STRATEGIES,
-        help="comma list: ckpt, snapshot, replication:R, spare:R, mecefo:POLICY",
+        help="comma list: ckpt, snapshot, replication:R, spare:R, mecefo:POLICY[:GRANULARITY]",
     )
     sp.add_argument("--plot", help="also write an availability-over-time PNG here")
 

@@ -5,6 +5,12 @@ progress accrues at 1 / (step_time_s * multiplier) steps per second. A fatal fai
 restart time and rolls progress back to the last saved checkpoint; failures during a restart are
 absorbed by it (replacement hardware comes up with the job). This module owns time, not policy:
 what is fatal and how slow a step is comes from `strategies.py`.
+
+Spare nodes (`JobConfig.spare_nodes` K > 0): a masked failure takes a standby node from the pool,
+and the dead group is back at full strength `replace_s` after the failure; the failed node is
+repaired (`repair_s` of the trace) and joins the pool. With the pool empty the group stays dead
+until a repaired node arrives (then `replace_s` more). A restart restores the pool to K. K = 0:
+a dead group rejoins when its own node is repaired, as before.
 """
 
 from __future__ import annotations
@@ -18,7 +24,12 @@ import numpy as np
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.sim import spare
 from megatron_mecefo.sim.failures import FailureProcess, FailureTrace, generate_trace
-from megatron_mecefo.sim.strategies import Strategy, StrategyConfig, build_strategy
+from megatron_mecefo.sim.strategies import (
+    MEASURED_REPLACE_S,
+    Strategy,
+    StrategyConfig,
+    build_strategy,
+)
 
 
 @dataclass(kw_only=True)
@@ -39,6 +50,11 @@ class JobConfig:
     """T_r: time from a fatal failure until training resumes (relaunch + load)."""
     horizon_factor: float = 40.0
     """Failure traces cover horizon_factor * T_0; runs slower than that are reported unfinished."""
+    spare_nodes: int = 0
+    """K: standby nodes that replace a failed group's node without a restart (0: none; a dead
+    group then waits for its own repair)."""
+    replace_s: float = MEASURED_REPLACE_S
+    """Spare nodes: failure -> the group at full strength again on a standby node."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_group", "num_steps"):
@@ -54,6 +70,10 @@ class JobConfig:
             raise ConfigError("checkpoint_save_s must be > 0 and restart_s >= 0")
         if self.horizon_factor < 1:
             raise ConfigError(f"horizon_factor must be >= 1, got {self.horizon_factor}")
+        if self.spare_nodes < 0:
+            raise ConfigError(f"spare_nodes must be >= 0, got {self.spare_nodes}")
+        if not (math.isfinite(self.replace_s) and self.replace_s >= 0):
+            raise ConfigError(f"replace_s must be finite and >= 0, got {self.replace_s}")
 
     @property
     def num_groups(self) -> int:
@@ -99,6 +119,10 @@ class SimResult:
     """Time-weighted mean step-time multiplier while computing (S_bar for SPARe)."""
     uptime_fraction: float
     """Fraction of wall time spent computing (not restarting, saving or failing over)."""
+    replacements: int = 0
+    """Dead groups brought back by a spare node."""
+    degraded_s: float = 0.0
+    """Wall time spent computing with at least one group dead."""
     timeline: dict = field(default_factory=dict, repr=False)
     """{'time_s', 'progress_steps', 'up'} arrays sampled at events, for plots."""
 
@@ -119,6 +143,8 @@ class SimResult:
             "checkpoint_period_s": self.checkpoint_period_s,
             "mean_step_multiplier": self.mean_multiplier,
             "uptime_fraction": self.uptime_fraction,
+            "replacements": self.replacements,
+            "degraded_h": self.degraded_s / 3600.0,
         }
 
 
@@ -151,7 +177,11 @@ class _Run:
         self.i = 0
         self.rejoins: list[tuple[float, int]] = []
         self.restarts = self.masked = 0
-        self.compute_s = self.weighted_s = 0.0
+        self.compute_s = self.weighted_s = self.degraded_s = 0.0
+        self.pool = job.spare_nodes  # free standby nodes
+        self.returns: list[float] = []  # heap: times failed nodes come back repaired
+        self.waiting: list[int] = []  # dead groups waiting for a spare, oldest first
+        self.replacements = 0
         self.log_t, self.log_p, self.log_up = [0.0], [0.0], [1]
 
     def log(self, up: int) -> None:
@@ -166,6 +196,8 @@ class _Run:
         self.progress += dt / (self.job.step_time_s * mult)
         self.compute_s += dt
         self.weighted_s += dt * mult
+        if self.strategy.num_dead:
+            self.degraded_s += dt
         self.t = t_next
 
     def fail(self, t_fail: float, group: int, repair_s: float) -> None:
@@ -179,9 +211,30 @@ class _Run:
         self.masked += 1
         self.log(0)
         self.t += self.strategy.failover_s
-        if math.isfinite(repair_s):
+        if self.job.spare_nodes:
+            self.replace(t_fail, group, repair_s)
+        elif math.isfinite(repair_s):
             heapq.heappush(self.rejoins, (t_fail + repair_s, group))
         self.log(1)
+
+    def replace(self, t_fail: float, group: int, repair_s: float) -> None:
+        """Spare nodes: the failed node goes to repair; a free standby takes its place."""
+        if math.isfinite(repair_s):
+            heapq.heappush(self.returns, t_fail + repair_s)
+        if self.pool:
+            self.pool -= 1
+            self.replacements += 1
+            heapq.heappush(self.rejoins, (t_fail + self.job.replace_s, group))
+        else:
+            self.waiting.append(group)
+
+    def node_returns(self, t_return: float) -> None:
+        """A repaired node joins the pool, or replaces the longest-waiting dead group."""
+        if self.waiting:
+            self.replacements += 1
+            heapq.heappush(self.rejoins, (t_return + self.job.replace_s, self.waiting.pop(0)))
+        else:
+            self.pool += 1
 
     def restart(self) -> None:
         self.log(0)
@@ -192,6 +245,8 @@ class _Run:
         self.progress = self.saved
         self.strategy.reset()
         self.rejoins.clear()
+        self.pool, self.waiting = self.job.spare_nodes, []  # the relaunch restores the pool
+        self.returns.clear()
         times = self.trace.times_s
         while self.i < times.size and times[self.i] < self.t:
             self.i += 1  # failures during the restart are absorbed by it
@@ -236,7 +291,8 @@ def simulate(
         t_finish = run.t + (job.num_steps - run.progress) * rate_time
         t_fail = max(run.t, times[run.i]) if run.i < times.size else math.inf
         t_rejoin = run.rejoins[0][0] if run.rejoins else math.inf
-        t_next = min(t_finish, t_fail, t_rejoin, run.next_save)
+        t_return = run.returns[0] if run.returns else math.inf
+        t_next = min(t_finish, t_fail, t_rejoin, t_return, run.next_save)
         if t_next > trace.horizon_s:
             break
         run.advance(max(t_next, run.t))
@@ -250,6 +306,8 @@ def simulate(
         elif t_next == t_rejoin:
             _, group = heapq.heappop(run.rejoins)
             strategy.rejoin(group)
+        elif t_next == t_return:
+            run.node_returns(heapq.heappop(run.returns))
         else:
             run.save()
     run.log(1)
@@ -268,6 +326,8 @@ def _result(run: _Run, config: StrategyConfig, finished: bool) -> SimResult:
         checkpoint_period_s=run.period_s,
         mean_multiplier=run.weighted_s / run.compute_s if run.compute_s else 1.0,
         uptime_fraction=run.compute_s / run.t if run.t else 1.0,
+        replacements=run.replacements,
+        degraded_s=run.degraded_s,
         timeline={
             "time_s": np.array(run.log_t),
             "progress_steps": np.array(run.log_p),

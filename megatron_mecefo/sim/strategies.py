@@ -43,6 +43,14 @@ MECEFO_MEASURED_FAILOVER_S = 3.5
 CPU/gloo (README): about 0.3-0.5 s when the dead process's agent reports it, about 3.3 s when only
 the 3 s heartbeat timeout can tell (SIGSTOP, node loss: the case that dominates on a cluster)."""
 
+MEASURED_REPLACE_S = 5.4
+"""Spare nodes: failure -> the lost node's ranks running again on a standby node, at full
+data-parallel width (detection, assignment, warm start, state from a live peer).
+PROVISIONAL: the median of `tools/bench/node_loss.py --rounds 3` in the README (tiny model,
+2 simulated nodes x 2 ranks on one 2-core CPU machine: 5.4 s, range 5.3-6.0); the spare-node
+replacement is being re-measured (issue 16), and a cluster adds the transfer of a real model's
+state. Pass `--replace-s` to try other values."""
+
 
 @dataclass(kw_only=True)
 class StrategyConfig:
@@ -60,6 +68,11 @@ class StrategyConfig:
     over a normal step; one degraded micro-batch costs neighbor_step_ratio / 2 of an exact one."""
     microbatches_per_rank: int = 8
     """MeCeFO spread/hybrid: micro-batches per rank per step (M)."""
+    granularity: Literal["microbatch", "sample"] = "microbatch"
+    """MeCeFO spread/hybrid: survivors take over whole micro-batches (slowest extra
+    ceil(M d / (n - d)) / M) or sample slices (ceil(M b d / (n - d)) / (M b))."""
+    micro_batch_size: int = 4
+    """MeCeFO at sample granularity: samples per micro-batch (b)."""
     min_alive_fraction: float = 0.5
     """MeCeFO: below this fraction of live groups the job restarts instead of failing over."""
     failover_s: float | None = None
@@ -85,8 +98,12 @@ class StrategyConfig:
             raise ConfigError(f"strategy {self.name!r} has no redundancy knob; leave it at 1")
         if self.neighbor_step_ratio < 1.0:
             raise ConfigError(f"neighbor_step_ratio must be >= 1, got {self.neighbor_step_ratio}")
-        if self.microbatches_per_rank < 1:
-            raise ConfigError("microbatches_per_rank must be >= 1")
+        if self.microbatches_per_rank < 1 or self.micro_batch_size < 1:
+            raise ConfigError("microbatches_per_rank and micro_batch_size must be >= 1")
+        if self.granularity not in ("microbatch", "sample"):
+            raise ConfigError(
+                f"granularity must be 'microbatch' or 'sample', got {self.granularity!r}"
+            )
         if not 0.0 < self.min_alive_fraction <= 1.0:
             raise ConfigError(
                 f"min_alive_fraction must be in (0, 1], got {self.min_alive_fraction}"
@@ -104,7 +121,8 @@ class StrategyConfig:
         if self.name in ("replication", "spare"):
             return f"{self.name} r={self.redundancy}"
         if self.name == "mecefo":
-            return f"mecefo {self.takeover_policy}"
+            sliced = self.granularity == "sample" and self.takeover_policy != "neighbor"
+            return f"mecefo {self.takeover_policy}" + ("/sample" if sliced else "")
         return self.name
 
 
@@ -263,6 +281,8 @@ class Mecefo(Strategy):
             # the next healthy group in ring order covers a whole run of j dead groups
             return (1 + self._longest_dead_run()) * cfg.neighbor_step_ratio / 2.0
         m = cfg.microbatches_per_rank
+        if cfg.granularity == "sample":  # the slowest survivor's extra samples
+            m *= cfg.micro_batch_size
         extra = math.ceil(m * d / (self.num_groups - d)) / m
         if cfg.takeover_policy == "spread":
             return 1.0 + extra

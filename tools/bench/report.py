@@ -87,11 +87,24 @@ class Tool:
         return " ".join(["python", self.script, *rest, "--out", _rel(out)])
 
 
-def _sim(name: str, title: str, scenario: str, gpus: int, per_group: int, steps: int) -> Tool:
+def _sim(
+    name: str,
+    title: str,
+    scenario: str,
+    gpus: int,
+    per_group: int,
+    steps: int,
+    strategies: str = STRATEGIES,
+    extra: tuple[str, ...] = (),
+) -> Tool:
     args = ("simulate", "--json", "--scenario", f"configs/failures/{scenario}.yaml", "--gpus")
     args += (str(gpus), "--gpus-per-group", str(per_group), "--steps", str(steps))
-    args += ("--strategies", STRATEGIES, "--snapshot-restart-s", str(SNAPSHOT_RELAUNCH_S))
+    args += ("--strategies", strategies, "--snapshot-restart-s", str(SNAPSHOT_RELAUNCH_S), *extra)
     return Tool(name, title, "mecefo-sim", args, args, stdout_json=True)
+
+
+SPARE_STRATEGIES = STRATEGIES + ",mecefo:spread:sample,mecefo:hybrid:sample"
+"""Spare-node runs also show sample-granular takeover (b = 4 samples per micro-batch, M = 8)."""
 
 
 TOOLS = (
@@ -148,6 +161,27 @@ TOOLS = (
         16384,
         8,
         2000,
+    ),
+    _sim(
+        "sim_llama3_16k_spares",
+        "llama3_405b rates, 16,384 GPUs, 4 spare nodes (replacement: the simulator's measured "
+        "default)",
+        "llama3_405b",
+        16384,
+        8,
+        2000,
+        SPARE_STRATEGIES,
+        ("--spare-nodes", "4"),
+    ),
+    _sim(
+        "sim_llama3_16k_spares_120",
+        "llama3_405b rates, 16,384 GPUs, 4 spare nodes, 120 s replacement",
+        "llama3_405b",
+        16384,
+        8,
+        2000,
+        SPARE_STRATEGIES,
+        ("--spare-nodes", "4", "--replace-s", "120"),
     ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]

@@ -10,6 +10,7 @@ degraded micro-batches (the last two under failover).
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 from collections.abc import Callable
@@ -54,6 +55,7 @@ class MetricsLogger:
         self._opened = False
         self._run_config = run_config
         self._events: EventTail | None = None
+        self._held: dict[str, Any] | None = None  # last record seen while not the writer
         # events of earlier steps were forwarded by an earlier try (plain runs: before the step
         # this run starts at) or by an earlier leader (failover: before this writer's first step)
         self._event_floor: int | None = start_step if writer is None else None
@@ -96,7 +98,12 @@ class MetricsLogger:
     def log_step(self, record: dict[str, Any]) -> None:
         """Record one step (`step` key required)."""
         if not self.enabled:
+            if self._enabled:  # a candidate keeps its last record (every member has the same)
+                self._held = record
             return
+        if self._held is not None:  # just took over: the old leader may have died before
+            self._backfill(self._held, int(record["step"]))  # writing the step before this one
+            self._held = None
         step = int(record["step"])
         if self._event_floor is None:
             self._event_floor = step
@@ -113,6 +120,15 @@ class MetricsLogger:
             step % self.cfg.print_interval == 0 or "val_loss" in record
         ):
             self.print(_format_line(record, memory_in_use()))
+
+    def _backfill(self, held: dict[str, Any], step: int) -> None:
+        """Write `held` (this rank's copy of the previous step) if metrics.jsonl stops short of
+        it: the leader that died after the step committed never logged it."""
+        if not held["step"] < step or held["step"] % self.cfg.log_interval:
+            return
+        if _last_logged_step(self.run_dir / "metrics.jsonl") < held["step"]:
+            for sink in self._sinks:
+                sink.write(held)
 
     def _forward_events(self, step: int) -> None:
         """New events.jsonl lines to the sinks (not those before `_event_floor`)."""
@@ -171,3 +187,20 @@ def memory_in_use() -> str:
         return f"{torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
     rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return f"{rss_kib / 2**20:.1f} GiB rss"
+
+
+def _last_logged_step(path: Path) -> int:
+    """The step of the last complete row of a metrics file (-1 if none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, 2)
+            fh.seek(max(0, fh.tell() - 65536))
+            lines = fh.read().splitlines()
+    except OSError:
+        return -1
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return -1

@@ -145,3 +145,32 @@ def test_posted_events_reads_the_store_not_the_file():
     events, seq = posted_events(store, wait_s=0.3)
     assert [e["type"] for e in events] == ["failure", "step_redone"] and seq == 3
     assert 0.3 <= time.monotonic() - t0 < 2.0
+
+
+def test_a_new_leader_writes_the_step_its_dead_predecessor_never_logged(tmp_path):
+    """The leader died after step 10 committed but before logging it; the next leader holds the
+    same record and writes it before its own first row: every step is logged once."""
+    from megatron_mecefo.metrics.config import LoggingConfig
+    from megatron_mecefo.metrics.logger import MetricsLogger
+
+    lead = {"now": "a"}
+    a, b = (
+        MetricsLogger(
+            LoggingConfig(print_interval=0),
+            tmp_path,
+            enabled=True,
+            total_steps=20,
+            writer=lambda who=who: lead["now"] == who,
+        )
+        for who in ("a", "b")
+    )
+    row = lambda s: {"step": s, "loss": 1.0 / (s + 1), "tokens_per_s": 1.0}  # noqa: E731
+    for s in range(10):
+        a.log_step(row(s))
+        b.log_step(row(s))
+    b.log_step(row(10))  # a died before logging step 10
+    lead["now"] = "b"
+    b.log_step(row(11))
+    b.log_step(row(12))
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(13))

@@ -92,6 +92,11 @@ class NodeWatch:
         st = self.nodes.get(node)
         return None if st is None else now - st.changed
 
+    def touch(self, node: int, now: float) -> None:
+        """Restart one node's age (it was just given to a standby that has yet to report)."""
+        if node in self.nodes:
+            self.nodes[node].changed = now
+
     def refresh(self, now: float) -> None:
         """Forget the ages seen so far (the coordinator itself was paused or just restarted)."""
         for st in self.nodes.values():

@@ -93,6 +93,7 @@ class SparePool:
                 if not free:
                     continue  # its ranks stay down (degraded) until a standby or the node returns
                 rec["standby"] = free[0]
+                watch.touch(node, now)  # not lost again before the standby's first report
                 self.store.set(keys.node_owner(node), str(free[0]))
                 self.store.set(keys.assign(free[0]), str(node))
                 self._save(node)
@@ -111,6 +112,7 @@ class SparePool:
                 self.log(
                     f"[coordinator] node {node} replaced: full strength after {latency_s:.1f} s"
                 )
+                watch.touch(node, now)
                 del self.lost[node]
                 self.store.delete_key(keys.replacement(node))
 

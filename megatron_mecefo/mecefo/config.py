@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Literal
 
 from megatron_mecefo.plan.techniques import DegradedTechniques
@@ -16,6 +17,14 @@ class MecefoConfig:
     """Install the degraded-mode hooks (free until a plan marks micro-batches degraded)."""
     skip_attention_backward: bool = True
     """Technique 1: attention runs without a graph; gradient flows through the residual only."""
+    skip_attention_layers: str = "all"
+    """Technique 1: the transformer layers (0-based, in model order) whose attention backward is
+    skipped; the others run attention with its graph, as if the skip were off for them, and their
+    attention / input-norm grads are ordinary (averaged over all replicas, not masked). `all`;
+    `first:K` / `last:K` (the first / last K layers); `every:K` (layers 0, K, 2K, ...); or a comma
+    list of layer indices such as `0,2,5`. To skip no layer, set `skip_attention_backward: false`.
+    Resolved against the model's layer count by `skip_layer_indices` (K or an index beyond it is
+    an error)."""
     recompute_ffn: bool = False
     """Technique 2: keep only the FFN input; recompute FFN intermediates in backward. Off by
     default, by measurement (`tools/bench/recompute_memory.py`, docs/mecefo.md): a covering rank
@@ -73,6 +82,7 @@ class MecefoConfig:
         )
 
     def __post_init__(self) -> None:
+        _parse_skip_layers(self.skip_attention_layers)  # syntax only; the range needs the model
         if self.rank <= 0 or (self.rank >= 1 and not float(self.rank).is_integer()):
             raise ValueError(
                 f"rank must be an integer >= 1 (absolute) or a fraction in (0, 1), got {self.rank}"
@@ -112,3 +122,65 @@ class MecefoConfig:
         """Absolute rank for an input dimension `dim` (clamped to [1, dim])."""
         r = int(self.rank) if self.rank >= 1 else round(self.rank * dim)
         return max(1, min(dim, r))
+
+    def skip_layer_indices(self, num_layers: int) -> frozenset[int]:
+        """Layers (0-based) whose attention backward technique 1 skips, for a model of
+        `num_layers` transformer layers (`skip_attention_layers` resolved; ignores whether
+        `skip_attention_backward` is on).
+
+        Raises:
+            ValueError: K of `first:K` / `last:K` / `every:K`, or a listed index, does not fit in
+                `num_layers` layers.
+        """
+        kind, value = _parse_skip_layers(self.skip_attention_layers)
+        key = f"mecefo.skip_attention_layers={self.skip_attention_layers!r}"
+        if kind == "all":
+            return frozenset(range(num_layers))
+        if kind == "list":
+            bad = sorted(i for i in value if i >= num_layers)
+            if bad:
+                raise ValueError(
+                    f"{key}: layer index {bad[0]} out of range, the model has {num_layers} "
+                    f"transformer layers (indices 0..{num_layers - 1})"
+                )
+            return frozenset(value)
+        if value > num_layers:
+            raise ValueError(
+                f"{key}: K = {value} exceeds the model's {num_layers} transformer layers"
+                + ("; use `all` to skip every layer" if kind != "every" else "")
+            )
+        if kind == "first":
+            return frozenset(range(value))
+        if kind == "last":
+            return frozenset(range(num_layers - value, num_layers))
+        return frozenset(range(0, num_layers, value))
+
+
+_DIGITS = re.compile(r"[0-9]+")
+_SKIP_LAYERS_FORMS = "'all', 'first:K', 'last:K', 'every:K' (K >= 1) or a comma list like '0,2,5'"
+
+
+def _parse_skip_layers(spec: str) -> tuple[str, int | frozenset[int] | None]:
+    """Syntax of `skip_attention_layers`: ("all", None), ("first" | "last" | "every", K) or
+    ("list", indices). Raises ValueError naming the accepted forms."""
+    text = str(spec).strip().lower()
+    where = f"skip_attention_layers={spec!r}"
+    if text == "all":
+        return "all", None
+    if text == "none":
+        raise ValueError(
+            f"{where}: to skip attention backward in no layer, set "
+            "mecefo.skip_attention_backward=false (skip_attention_layers picks which layers skip)"
+        )
+    kind, sep, k = text.partition(":")
+    if sep:
+        if kind not in ("first", "last", "every") or not _DIGITS.fullmatch(k.strip()) or int(k) < 1:
+            raise ValueError(f"{where}: expected {_SKIP_LAYERS_FORMS}")
+        return kind, int(k)
+    items = [item.strip() for item in text.split(",")]
+    if not all(_DIGITS.fullmatch(item) for item in items):
+        raise ValueError(f"{where}: expected {_SKIP_LAYERS_FORMS}")
+    indices = [int(item) for item in items]
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"{where}: a layer index is listed twice")
+    return "list", frozenset(indices)

@@ -2,8 +2,9 @@
 
 `install_degraded_mode` replaces each layer's `forward` with a thin dispatcher: exact mode calls the
 original bound method unchanged (bit-identical, one attribute read), degraded mode runs the
-attention branch without a graph (technique 1) and the FFN through `ffn.degraded_ffn` (techniques
-2-3). The mode is the explicit module attribute `layer.mecefo_hooks.degraded`, set only by the
+attention branch without a graph (technique 1, in the layers `mecefo.skip_attention_layers` names;
+the others keep their attention graph) and the FFN through `ffn.degraded_ffn` (techniques 2-3).
+The mode is the explicit module attribute `layer.mecefo_hooks.degraded`, set only by the
 controller; each micro-batch's graph records the mode it was built with, so its backward follows it.
 """
 
@@ -63,6 +64,9 @@ class LayerHooks:
     ffn_weights: FfnWeights | None
     v1_cache: SingularVectorCache | None
     v2_cache: SingularVectorCache | None
+    skips_attention: bool = True
+    """In `mecefo.skip_attention_layers`: technique 1, when active, skips this layer's attention
+    backward; False: its attention runs with its graph in degraded mode too."""
     degraded: bool = False
     """Set by the controller before each micro-batch forward."""
     bucket: int = 0
@@ -74,9 +78,14 @@ class LayerHooks:
     """Forward pre-hooks on linear_fc1/linear_fc2 collecting input statistics."""
 
     @property
+    def skip_attention(self) -> bool:
+        """Technique 1 applies to this layer in the next degraded forward."""
+        return self.active.skip_attention_backward and self.skips_attention
+
+    @property
     def is_noop(self) -> bool:
-        """No active technique: degraded == exact."""
-        return not self.active.names
+        """No active technique applies to this layer: degraded == exact."""
+        return not (self.skip_attention or self.functional_ffn)
 
     @property
     def functional_ffn(self) -> bool:
@@ -95,7 +104,7 @@ def degraded_layer_forward(layer: torch.nn.Module, hooks: LayerHooks, *args, **k
     """TransformerLayer.forward in degraded mode; returns `(output, context)` like megatron."""
     kwargs.pop("dynamic_inference_decode_only", None)
     hidden_states, rest, kwargs = _split_hidden_states(args, kwargs)
-    if hooks.active.skip_attention_backward:
+    if hooks.skip_attention:
         # Attention branch (input norm, attention, bias-dropout-add) runs without a graph: no
         # attention activations kept, no attention/input-norm gradients; grad flows via residual.
         with torch.no_grad():
@@ -183,6 +192,8 @@ class DegradedModeController:
         self._layers = layers
         self._degraded = False
         self._step = 0
+        self._attention_params = _attention_params_by_skip(layers)
+        self._skips_every_layer = all(skips for skips in self._attention_params.values())
 
     @property
     def enabled(self) -> bool:
@@ -238,15 +249,43 @@ class DegradedModeController:
             if hooks.stat_handles and self._step % self._cfg.activation_stats_interval == 0:
                 hooks.collect = [True, True]
 
+    @property
+    def skip_layer_indices(self) -> frozenset[int]:
+        """Layers (0-based, model order) whose attention backward degraded mode skips when
+        technique 1 is active (empty when it is switched off or nothing is installed)."""
+        if not self._cfg.skip_attention_backward:
+            return frozenset()
+        return frozenset(
+            i
+            for i, (_, layer) in enumerate(self._layers)
+            if getattr(layer, _HOOKS_ATTR).skips_attention
+        )
+
     def is_masked_param(self, name: str) -> bool:
         """Whether the trainer averages this parameter's grad over exact replicas only.
 
-        True for attention-branch parameters (input norm, self-attention) when the attention-
-        backward skip is on; names may carry wrapper prefixes such as `module.`.
+        True for attention-branch parameters (input norm, self-attention) of the layers in
+        `mecefo.skip_attention_layers` when the attention-backward skip is on: only those lack
+        gradients from degraded micro-batches. Names may carry wrapper prefixes such as `module.`.
+
+        Raises:
+            ValueError: with a subset of layers skipping, an attention-branch name that is none of
+                the hooked layers' parameters (its layer, hence its scaling, is unknown).
         """
         if not (self._cfg.enabled and self._cfg.skip_attention_backward):
             return False
-        return is_attention_branch_param(name)
+        if self._skips_every_layer:
+            return is_attention_branch_param(name)
+        if not is_attention_branch_param(name):
+            return False
+        skips = self._attention_params.get(_strip_wrappers(name))
+        if skips is None:
+            raise ValueError(
+                f"is_masked_param: {name!r} is an attention-branch parameter of no hooked "
+                "transformer layer; with mecefo.skip_attention_layers="
+                f"{self._cfg.skip_attention_layers!r} its layer decides whether it is masked"
+            )
+        return skips
 
     def singular_vectors(self, layer_index: int) -> tuple[Tensor | None, Tensor | None]:
         """Cached (V1, V2) of a layer (None before its first degraded forward or when off)."""
@@ -284,6 +323,25 @@ class DegradedModeController:
         self._layers = []
 
 
+def _strip_wrappers(name: str) -> str:
+    """A parameter name without the `module.` prefixes DDP / Float16Module wrappers add."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def _attention_params_by_skip(layers: list[tuple[str, torch.nn.Module]]) -> dict[str, bool]:
+    """Attention-branch parameter names (wrapper prefixes stripped) of every hooked layer, taken
+    from the layer module's own parameters, -> whether that layer skips attention backward."""
+    out = {}
+    for layer_name, layer in layers:
+        skips = getattr(layer, _HOOKS_ATTR).skips_attention
+        for param_name, _ in layer.named_parameters():
+            if is_attention_branch_param(param_name):
+                out[_strip_wrappers(f"{layer_name}.{param_name}")] = skips
+    return out
+
+
 def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> DegradedModeController:
     """Hook every TransformerLayer of `model` for degraded mode and return the controller.
 
@@ -296,6 +354,7 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
         The controller (exact mode).
 
     Raises:
+        ConfigError: `cfg.skip_attention_layers` names a layer the model does not have.
         ValueError: no TransformerLayer found or hooks already installed.
         NotImplementedError: a layer the degraded FFN cannot handle (MoE, biases, sequence
             parallelism).
@@ -305,6 +364,10 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
     layers = find_transformer_layers(model)
     if not layers:
         raise ValueError("install_degraded_mode: no megatron TransformerLayer found in the model")
+    try:
+        skip_layers = cfg.skip_layer_indices(len(layers))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     functional_ffn = cfg.recompute_ffn or cfg.lowrank_ffn_grad
     for index, (name, layer) in enumerate(layers):
         if hasattr(layer, _HOOKS_ATTR):
@@ -331,6 +394,7 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
             ffn_weights=weights,
             v1_cache=v1_cache,
             v2_cache=v2_cache,
+            skips_attention=index in skip_layers,
         )
         setattr(layer, _HOOKS_ATTR, hooks)
         if v1_cache is not None and v1_cache.stats is not None:

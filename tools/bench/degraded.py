@@ -4,6 +4,13 @@
     python tools/bench/degraded.py --models small --microbatches 8 --reps 7
     python tools/bench/degraded.py --svd-shapes llama-350m llama-1b  # exact vs randomized SVD cost
     python tools/bench/degraded.py --models llama-350m --num-layers 8 --mbs 4   # GPU (unverified)
+    python tools/bench/degraded.py --models small --skip-layers off first:1 last:1 all
+
+With `--skip-layers` it runs only the skip-layer sweep instead: for each
+`mecefo.skip_attention_layers` setting (`off` = `mecefo.skip_attention_backward=false`), a step of
+M exact and a step of M degraded micro-batches on an engine built with it, settings interleaved
+round by round (the time axis of an accuracy/time curve; default JSON
+bench_out/degraded_skip_layers.json).
 
 For each model: a normal rank (M exact micro-batches), naive Neighbor-Do-Both (2M exact), MeCeFO
 neighbour (2M degraded), and the slowest rank of `spread` and `hybrid` for n = 4, 8, 32 (one dead
@@ -66,8 +73,24 @@ def parse_args() -> argparse.Namespace:
         "the candidates of the hybrid_auto rows (mecefo.hybrid_techniques=auto); sets that are "
         "not subsets of the configured switches are skipped",
     )
-    p.add_argument("--out", default="bench_out/degraded.json")
-    return p.parse_args()
+    p.add_argument(
+        "--skip-layers",
+        nargs="+",
+        default=None,
+        metavar="SETTING",
+        help="run only the skip-layer sweep over these mecefo.skip_attention_layers settings "
+        "(all, first:K, last:K, every:K, 0,2,5; off = skip_attention_backward=false)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON output (default bench_out/degraded.json; with --skip-layers "
+        "bench_out/degraded_skip_layers.json)",
+    )
+    args = p.parse_args()
+    if args.out is None:
+        args.out = f"bench_out/degraded{'_skip_layers' if args.skip_layers else ''}.json"
+    return args
 
 
 def load_model_cfg(name: str, num_layers: int | None):
@@ -122,10 +145,10 @@ class EngineRank:
     """One rank's real training step: `Engine.train_step` (megatron schedule, DDP main_grad
     accumulation, megatron AdamW) on a world-1 job, running a scenario's task list as its plan."""
 
-    def __init__(self, name: str, args, ctx, hooked: bool = True):
+    def __init__(self, name: str, args, ctx, hooked: bool = True, overrides: tuple = ()):
         from bench_engine import build_bench_engine
 
-        overrides = [f"mecefo.enabled={str(hooked).lower()}"]
+        overrides = [f"mecefo.enabled={str(hooked).lower()}", *overrides]
         if args.num_layers:
             overrides.append(f"model.num_layers={args.num_layers}")
         self.engine = build_bench_engine(
@@ -294,6 +317,83 @@ def bench_model(name: str, args, ctx) -> dict:
         "exact_mode_overhead": t_hooked / t_plain - 1.0,
         "svd_refresh_s": svd_s,
     }
+
+
+def skip_layer_overrides(setting: str) -> list[str]:
+    """Config overrides of one `--skip-layers` setting (`off`: the skip switched off)."""
+    if setting == "off":
+        return ["mecefo.skip_attention_backward=false"]
+    return [f"mecefo.skip_attention_layers={setting}"]
+
+
+def bench_skip_layers(name: str, args, ctx) -> dict:
+    """Step time of M degraded micro-batches (the configured techniques) per skip-layer setting,
+    against M exact ones on the same engine; every setting has its own engine (same weights) and
+    the settings are interleaved round by round, fastest of `--reps` kept. `ratio` is over the
+    fastest exact step of all engines, `ratio_own_exact` over the setting's own."""
+    m = args.microbatches
+    ranks = {
+        s: EngineRank(name, args, ctx, overrides=skip_layer_overrides(s)) for s in args.skip_layers
+    }
+    scenarios = {"exact": [False] * m, "degraded": [True] * m}
+    for rank in ranks.values():
+        for flags in scenarios.values():
+            rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
+    best = {(s, label): float("inf") for s in ranks for label in scenarios}
+    for _ in range(args.reps):
+        for setting, rank in ranks.items():
+            for label, flags in scenarios.items():
+                best[setting, label] = min(best[setting, label], rank.step(flags, step=1))
+    model_cfg = next(iter(ranks.values())).model_cfg
+    # exact mode is the same computation whatever the setting: the fastest exact step of all
+    # engines is the common baseline (less noise than each engine's own)
+    exact_best = min(best[s, "exact"] for s in ranks)
+    rows = []
+    for setting, rank in ranks.items():
+        skipped = sorted(rank.controller.skip_layer_indices)
+        exact_s, degraded_s = best[setting, "exact"], best[setting, "degraded"]
+        rows.append(
+            {
+                "setting": setting,
+                "skipped_layers": skipped,
+                "skip_fraction": len(skipped) / model_cfg.num_layers,
+                "techniques": rank.engine.cfg.mecefo.techniques.key,
+                "exact_step_s": exact_s,
+                "degraded_step_s": degraded_s,
+                "ratio": degraded_s / exact_best,
+                "ratio_own_exact": degraded_s / exact_s,
+                "peak_activation_bytes": rank.peak_activation_bytes(True),
+                "exact_activation_bytes": rank.peak_activation_bytes(False),
+            }
+        )
+    return {
+        "model": name,
+        "config": vars(model_cfg),
+        "device": str(ctx.device),
+        "mbs": args.mbs,
+        "microbatches": m,
+        "reps": args.reps,
+        "rows": rows,
+    }
+
+
+def print_skip_layers_table(result: dict) -> None:
+    print(
+        f"\n{result['model']} ({result['device']}), {result['config']['num_layers']} layers, "
+        f"M={result['microbatches']}: M degraded micro-batches vs M exact (ratio: over the "
+        "fastest exact step of all settings), per skip-layer setting"
+    )
+    print(
+        f"{'setting':<12}{'skipped':>12}{'exact ms':>10}{'degr ms':>10}{'ratio':>8}"
+        f"{'act ratio':>10}  techniques"
+    )
+    for r in result["rows"]:
+        skipped = ",".join(map(str, r["skipped_layers"])) or "-"
+        print(
+            f"{r['setting']:<12}{skipped:>12}{r['exact_step_s'] * 1e3:>10.1f}"
+            f"{r['degraded_step_s'] * 1e3:>10.1f}{r['ratio']:>8.3f}"
+            f"{r['peak_activation_bytes'] / r['exact_activation_bytes']:>10.2f}  {r['techniques']}"
+        )
 
 
 def load_or_calibrate(name: str, args, ctx):
@@ -500,6 +600,13 @@ def main() -> int:
         if args.models is not None
         else (["tiny", "small"] if ctx.on_cpu else ["llama-350m"])
     )
+    if args.skip_layers:
+        report = {"skip_layers": []}
+        for name in models:
+            result = bench_skip_layers(name, args, ctx)
+            print_skip_layers_table(result)
+            report["skip_layers"].append(result)
+        return write_report(report, args.out)
     report = {"models": [], "svd": [], "grad_error": []}
     for name in models:
         result = bench_model(name, args, ctx)
@@ -509,7 +616,11 @@ def main() -> int:
             report["grad_error"] += grad_error(name, args, device, args.grad_error_steps)
     for name in args.svd_shapes:
         report["svd"] += bench_svd(name, device)
-    out = Path(args.out)
+    return write_report(report, args.out)
+
+
+def write_report(report: dict, path: str) -> int:
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     print(f"\nwrote {out}")

@@ -77,13 +77,13 @@ class _RecordingMembership:
         return True
 
 
-def _ddp_with_grads(build_tiny, tiny_batch):
+def _ddp_with_grads(build_tiny, tiny_batch, mecefo_cfg: MecefoConfig | None = None):
     """Tiny model under megatron DDP with one exact and one degraded micro-batch accumulated in
     its contiguous grad buffers (what a covering hybrid rank holds before the reduction)."""
     from megatron_mecefo.mcore import stack
 
     model, cfg = build_tiny()
-    ctl = install_degraded_mode(model, MecefoConfig())
+    ctl = install_degraded_mode(model, mecefo_cfg or MecefoConfig())
     ddp = stack.wrap_ddp(model, model.config)
     ddp.zero_grad_buffer()
     for seed, degraded in ((0, False), (1, True)):
@@ -133,3 +133,39 @@ def test_plan_grad_reducer_without_masking_scales_everything_alike(build_tiny, t
     reducer()
     for name, p in named.items():
         torch.testing.assert_close(p.main_grad, before[name] * 0.25, rtol=1e-6, atol=0, msg=name)
+
+
+def test_plan_grad_reducer_with_a_subset_of_layers_skipping(build_tiny, tiny_batch):
+    """skip_attention_layers=last:1, one exact + one degraded micro-batch in megatron's buffers:
+    after the reduction, layer 1's attention params hold the exact micro-batch's grad x
+    masked_scale; everything else, layer 0's attention included (the degraded micro-batch
+    computed it), the sum of both micro-batches' grads x 1/n (plain-autograd references)."""
+    from megatron_mecefo.mcore.stack import PlanGradReducer
+
+    mecefo_cfg = MecefoConfig(skip_attention_layers="last:1")
+    ref_model, cfg = build_tiny()
+    ref_ctl = install_degraded_mode(ref_model, mecefo_cfg)
+    ref = []
+    for seed, degraded in ((0, False), (1, True)):
+        ref_ctl.set_degraded(degraded)
+        ref.append(_grads(ref_model, tiny_batch(cfg, seed=seed)))
+    ddp, ctl, _ = _ddp_with_grads(build_tiny, tiny_batch, mecefo_cfg)
+    named = dict(ddp.module.named_parameters())
+    masked = {n for n in named if ctl.is_masked_param(n)}
+    assert masked == {n for n in named if n.startswith("decoder.layers.1.")} & {
+        n for n in named if is_attention_branch_param(n)
+    }
+    assert len(masked) == 3
+    reducer = PlanGradReducer(ddp, _RecordingMembership(), ctl.is_masked_param)
+    grad_scale, masked_scale = 0.25, 0.7
+    reducer.set_scales(grad_scale, masked_scale)
+    reducer()
+    exact, degraded = ref
+    for name, p in named.items():
+        if name in masked:
+            assert degraded[name] is None, name
+            expected = exact[name] * masked_scale
+        else:
+            assert degraded[name].abs().sum() > 0, name
+            expected = (exact[name] + degraded[name]) * grad_scale
+        torch.testing.assert_close(p.main_grad, expected, rtol=1e-5, atol=1e-8, msg=name)

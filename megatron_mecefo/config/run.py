@@ -46,3 +46,26 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
+        if self.mecefo.enabled and self.mecefo.takeover_policy == "hybrid":
+            self._check_accuracy_costs()
+
+    def _check_accuracy_costs(self) -> None:
+        """hybrid needs a measured accuracy cost for what it may degrade with: fail at start-up,
+        not at the first failure."""
+        from megatron_mecefo.plan.accuracy import load_accuracy_costs
+        from megatron_mecefo.plan.techniques import candidate_techniques
+
+        mec = self.mecefo
+        table = load_accuracy_costs(mec.accuracy_costs or None)  # ValueError names the file
+        if mec.hybrid_techniques == "auto":
+            if not any(table.of(t) is not None for t in candidate_techniques(mec.techniques)):
+                raise ValueError(
+                    f"mecefo.accuracy_costs ({table.source}) has no cost for any subset of "
+                    f"{mec.techniques.key!r}: hybrid_techniques=auto has nothing to choose from"
+                )
+        elif mec.techniques.names and table.of(mec.techniques) is None:
+            raise ValueError(
+                f"mecefo.accuracy_costs ({table.source}) has no cost for the configured technique "
+                f"set {mec.techniques.key!r}, which hybrid degrades with; measure it with "
+                "tools/bench/convergence.py --accuracy-costs or switch the techniques"
+            )

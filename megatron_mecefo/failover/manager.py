@@ -38,7 +38,14 @@ from megatron_mecefo.failover import groups, inject, keys
 from megatron_mecefo.failover.heartbeat import Heartbeat
 from megatron_mecefo.failover.inject import Injector
 from megatron_mecefo.failover.membership import Membership
-from megatron_mecefo.plan import CostModel, RankStepPlan, flop_cost_model, make_step_plans
+from megatron_mecefo.plan import (
+    AccuracyCosts,
+    CostModel,
+    RankStepPlan,
+    flop_cost_model,
+    load_accuracy_costs,
+    make_step_plans,
+)
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.hooks import TrainHook
 from megatron_mecefo.training.stop import StopFlag
@@ -340,6 +347,11 @@ class FailoverManager(TrainHook):
                     allowed_techniques=self.cfg.mecefo.techniques,
                     granularity=self.cfg.mecefo.takeover_granularity,
                     micro_batch_size=self.cfg.training.micro_batch_size,
+                    objective=self.cfg.mecefo.hybrid_objective,
+                    accuracy_budget=self.cfg.mecefo.hybrid_accuracy_budget,
+                    accuracy=self._accuracy_costs()
+                    if self.cfg.mecefo.takeover_policy == "hybrid"
+                    else None,
                 )
                 plan = plans[self.replica]
                 self._job_degraded = any(p.num_degraded for p in plans.values())
@@ -347,6 +359,12 @@ class FailoverManager(TrainHook):
                     self._post_takeover(step, plans)
             self._plan_cache = (members, plan)
         return self._plan_cache[1]
+
+    def _accuracy_costs(self) -> AccuracyCosts:
+        """The measured accuracy-cost table, its skip part scaled to the layers that skip."""
+        mec, layers = self.cfg.mecefo, self.cfg.model.num_layers
+        skipping = len(mec.skip_layer_indices(layers)) if mec.skip_attention_backward else layers
+        return load_accuracy_costs(mec.accuracy_costs or None).with_skip_fraction(skipping / layers)
 
     def _cost_model(self) -> CostModel:
         """FLOP fallback cost model, with a cost for every subset of the configured techniques
@@ -361,6 +379,7 @@ class FailoverManager(TrainHook):
             vocab_size=mc.vocab_size,
             micro_batch_size=self.cfg.training.micro_batch_size,
             rank_fraction=mec.rank if mec.rank < 1 else mec.rank / mc.hidden_size,
+            skip_layer_fraction=len(mec.skip_layer_indices(mc.num_layers)) / mc.num_layers,
         )
 
     def _post_takeover(self, step: int, plans: dict[int, RankStepPlan]) -> None:

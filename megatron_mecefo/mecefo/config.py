@@ -66,11 +66,22 @@ class MecefoConfig:
     """hybrid: the slowest rank's step time must stay under this multiple of a normal rank's."""
     hybrid_techniques: Literal["fixed", "auto"] = "fixed"
     """hybrid: which techniques a degraded micro-batch uses. `fixed`: every switch above that is
-    on (the behaviour before this option). `auto`: per covering rank, the planner picks among the
-    non-empty subsets of the switched-on techniques that have a measured cost (the cost model:
-    `tools/bench/degraded.py` calibration, or its FLOP fallback) the one that meets
-    `hybrid_target_ratio` with the least accuracy cost (`plan.techniques.ACCURACY_COST`, from the
-    convergence study), and the plan carries it to the degraded-mode controller."""
+    on. `auto`: per covering rank, the planner may use any non-empty subset of the switched-on
+    techniques that has both a measured time (the cost model: `tools/bench/degraded.py`
+    calibration, or its FLOP fallback) and a measured accuracy cost (`accuracy_costs`)."""
+    hybrid_objective: Literal["accuracy", "time"] = "accuracy"
+    """hybrid: how it chooses among the plans that exist (exact spread at micro-batch or sample
+    granularity, neighbour, spread with k micro-batches degraded per technique set; never a
+    dominated one). `accuracy`: the least accuracy cost whose predicted step time is <=
+    `hybrid_target_ratio` x a normal step, else the fastest. `time`: the fastest whose accuracy
+    cost is <= `hybrid_accuracy_budget`."""
+    hybrid_accuracy_budget: float = 1.0
+    """hybrid_objective=time: the largest accuracy cost allowed, in % perplexity if every step
+    ran the plan (the unit of `accuracy_costs`; e.g. neighbour with 1 of 4 replicas dead costs
+    about half the skip+lowrank entry)."""
+    accuracy_costs: str = ""
+    """hybrid: the measured accuracy-cost table (JSON written by `tools/bench/convergence.py
+    --accuracy-costs`); empty = the one shipped in megatron_mecefo/plan/accuracy_costs.json."""
 
     @property
     def techniques(self) -> DegradedTechniques:
@@ -108,6 +119,14 @@ class MecefoConfig:
             )
         if self.hybrid_target_ratio < 1.0:
             raise ValueError("hybrid_target_ratio must be >= 1.0 (a multiple of a normal step)")
+        if self.hybrid_objective not in ("accuracy", "time"):
+            raise ValueError(
+                f"hybrid_objective must be 'accuracy' or 'time', got {self.hybrid_objective!r}"
+            )
+        if not self.hybrid_accuracy_budget >= 0:
+            raise ValueError(
+                f"hybrid_accuracy_budget must be >= 0, got {self.hybrid_accuracy_budget}"
+            )
         if self.hybrid_techniques not in ("fixed", "auto"):
             raise ValueError(
                 f"hybrid_techniques must be 'fixed' or 'auto', got {self.hybrid_techniques!r}"

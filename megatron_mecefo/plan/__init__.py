@@ -4,7 +4,9 @@ This package sits below `training/` (which runs plans), `mecefo/` (which compute
 micro-batches) and `failover/` (which asks the planner for plans on membership changes).
 """
 
+from megatron_mecefo.plan.accuracy import AccuracyCosts, load_accuracy_costs
 from megatron_mecefo.plan.cost import CostModel, FlopBreakdown, flop_cost_model, microbatch_flops
+from megatron_mecefo.plan.hybrid import OBJECTIVES
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 from megatron_mecefo.plan.takeover import (
     POLICIES,
@@ -13,15 +15,15 @@ from megatron_mecefo.plan.takeover import (
     plan_step_times,
 )
 from megatron_mecefo.plan.techniques import (
-    ACCURACY_COST,
     ALL_TECHNIQUES,
     DegradedTechniques,
     candidate_techniques,
 )
 
 __all__ = [
-    "ACCURACY_COST",
     "ALL_TECHNIQUES",
+    "AccuracyCosts",
+    "OBJECTIVES",
     "POLICIES",
     "CostModel",
     "DegradedTechniques",
@@ -31,6 +33,7 @@ __all__ = [
     "RankStepPlan",
     "failure_free_plan",
     "flop_cost_model",
+    "load_accuracy_costs",
     "make_step_plans",
     "microbatch_flops",
     "neighbor_of",

@@ -46,6 +46,7 @@ def microbatch_flops(
     skip_attention_backward: bool = True,
     recompute_ffn: bool = True,
     lowrank_ffn_grad: bool = True,
+    skip_layer_fraction: float = 1.0,
 ) -> FlopBreakdown:
     """FLOPs of one micro-batch (matmuls only, 2 FLOPs per multiply-add; causal masking ignored).
 
@@ -61,6 +62,8 @@ def microbatch_flops(
         skip_attention_backward: Technique 1 on.
         recompute_ffn: Technique 2 on.
         lowrank_ffn_grad: Technique 3 on.
+        skip_layer_fraction: Share of the layers whose attention backward technique 1 skips
+            (`mecefo.skip_attention_layers`); the others run it.
 
     Returns:
         The exact and degraded FLOPs.
@@ -81,7 +84,8 @@ def microbatch_flops(
         return 2.0 * b * r * (n + m) + 2.0 * r * m * n  # x V in forward, G_y^T (xV), (.) V^T
 
     degraded_layer = attn_fwd + ffn_fwd  # full forward (attention without graph)
-    degraded_layer += 0.0 if skip_attention_backward else 2.0 * attn_fwd
+    skipped = skip_layer_fraction if skip_attention_backward else 0.0
+    degraded_layer += (1.0 - skipped) * 2.0 * attn_fwd
     degraded_layer += fc1_fwd if recompute_ffn else 0.0  # fc2 output is not needed in backward
     degraded_layer += ffn_fwd  # exact input grads G_x = W^T G_y of both FFN linears
     degraded_layer += weight_grad(2 * f, d) + weight_grad(d, f)

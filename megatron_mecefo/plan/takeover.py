@@ -15,10 +15,11 @@ crossing a micro-batch. "Exactly once" then holds per sample.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from megatron_mecefo.plan.accuracy import AccuracyCosts, load_accuracy_costs
 from megatron_mecefo.plan.cost import CostModel
+from megatron_mecefo.plan.hybrid import OBJECTIVES, Technique, choose, hybrid_options
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
 from megatron_mecefo.plan.techniques import ALL_TECHNIQUES, DegradedTechniques
 
@@ -81,6 +82,9 @@ def make_step_plans(
     allowed_techniques: DegradedTechniques = ALL_TECHNIQUES,
     granularity: str = "microbatch",
     micro_batch_size: int = 1,
+    objective: str = "accuracy",
+    accuracy_budget: float = 1.0,
+    accuracy: AccuracyCosts | None = None,
 ) -> dict[int, RankStepPlan]:
     """Plans for every alive replica for one step.
 
@@ -90,13 +94,15 @@ def make_step_plans(
         over) degraded. A replica may cover several dead ones (two dead in a row, all but one dead).
       * `spread`: orphaned micro-batches go one by one to the least-loaded survivor (ties: ring
         distance from the dead replica, then index); all exact.
-      * `hybrid`: `spread`, then on each rank whose predicted step time exceeds
-        `target_ratio` x a normal rank's, micro-batches are switched to degraded (taken-over ones
-        first, then own) until it fits; if it cannot fit, all of that rank's are degraded.
-        With `choose_techniques`, each such rank also picks the technique set of its degraded
-        micro-batches (`_choose_techniques`): among the measured subsets of
-        `allowed_techniques` that meet the target, the least total accuracy cost
-        (k x `DegradedTechniques.accuracy_cost`); the tasks carry it as `techniques`.
+      * `hybrid`: one plan among those that exist (`plan/hybrid.py`): exact `spread` (whole
+        micro-batches, and sample slices with `granularity="sample"`), `neighbor`, and `spread`
+        with some tasks degraded (taken-over ones first, any subset of slices, one technique set
+        per rank), chosen by `objective` from the predicted time (`cost`) and the measured
+        accuracy cost (`accuracy`): `accuracy` = least accuracy cost within `target_ratio` x a
+        normal rank's step (else the fastest); `time` = fastest within `accuracy_budget`.
+        Never dominated. With `choose_techniques`, the technique sets are every measured subset
+        of `allowed_techniques`, carried by the tasks as `techniques`; else the configured set
+        (`techniques=None`).
 
     Args:
         alive: Logical indices of the healthy replicas (any order, no duplicates).
@@ -112,6 +118,10 @@ def make_step_plans(
         granularity: `microbatch` (whole micro-batches) or `sample` (`spread` and `hybrid` cut
             the orphaned micro-batches into sample slices; `neighbor` ignores it).
         micro_batch_size: b, samples per micro-batch (`sample` granularity only).
+        objective: `hybrid`: "accuracy" or "time" (`mecefo.hybrid_objective`).
+        accuracy_budget: `hybrid` with objective "time": the largest accuracy cost allowed
+            (`AccuracyCosts` unit: % perplexity if every step ran the plan).
+        accuracy: Measured accuracy costs; None = the table shipped with the package.
 
     Returns:
         {logical replica index: RankStepPlan} for every alive replica. Tasks list the rank's own
@@ -123,7 +133,8 @@ def make_step_plans(
 
     Raises:
         ValueError: no survivor, replicas out of range, bad M, policy, target_ratio,
-            granularity or micro_batch_size.
+            granularity, micro_batch_size, objective or budget; `hybrid` without an accuracy
+            cost for the configured technique set.
     """
     survivors = _check_alive(alive, num_replicas)
     if num_microbatches < 1:
@@ -136,25 +147,42 @@ def make_step_plans(
         raise ValueError(f"unknown granularity {granularity!r}; choose one of {GRANULARITIES}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"unknown hybrid objective {objective!r}; choose one of {OBJECTIVES}")
+    if not accuracy_budget >= 0:
+        raise ValueError(f"accuracy_budget must be >= 0, got {accuracy_budget}")
     n, m, b = num_replicas, num_microbatches, micro_batch_size
     dead = [r for r in range(n) if r not in set(survivors)]
-    tasks = {r: [MicroBatchTask(r, i) for i in range(m)] for r in survivors}
-    sliced = granularity == "sample" and policy != "neighbor" and b > 1
+
+    def fresh() -> dict[int, list[MicroBatchTask]]:
+        return {r: [MicroBatchTask(r, i) for i in range(m)] for r in survivors}
+
+    can_slice = granularity == "sample" and b > 1
+    tasks = fresh()
     if policy == "neighbor":
         _assign_neighbor(tasks, dead, survivors, n, m)
+    elif can_slice:
+        _assign_spread_samples(tasks, dead, survivors, n, m, b)
     else:
-        if sliced:
-            _assign_spread_samples(tasks, dead, survivors, n, m, b)
-        else:
-            _assign_spread(tasks, dead, survivors, n, m)
-        if policy == "hybrid" and sliced:
-            _degrade_slices_to_target(
-                tasks, m, b, cost, target_ratio, allowed_techniques if choose_techniques else None
-            )
-        elif policy == "hybrid" and choose_techniques:
-            _choose_techniques(tasks, m, cost, target_ratio, allowed_techniques)
-        elif policy == "hybrid":
-            _degrade_to_target(tasks, m, cost, target_ratio)
+        _assign_spread(tasks, dead, survivors, n, m)
+    if policy == "hybrid" and dead:
+        tasks = _hybrid(
+            dead=dead,
+            survivors=survivors,
+            n=n,
+            m=m,
+            b=b,
+            fresh=fresh,
+            can_slice=can_slice,
+            cost=cost,
+            target_ratio=target_ratio,
+            choose_techniques=choose_techniques,
+            allowed=allowed_techniques,
+            objective=objective,
+            budget=accuracy_budget,
+            accuracy=accuracy,
+        )
+    sliced = any(t.is_slice for ts in tasks.values() for t in ts)
     # E in samples, so slices count their share (in whole micro-batches m * b / (E * b) = m / E)
     num_attention = sum(
         t.num_samples(b) for ts in tasks.values() for t in ts if not t.skips_attention
@@ -249,150 +277,73 @@ def _assign_spread_samples(
         tasks[r] = own + sorted((t for t in tasks[r] if t.source_dp_rank != r), key=_task_key)
 
 
-def _degrade_slices_to_target(
-    tasks: dict[int, list[MicroBatchTask]],
+def _hybrid(
+    *,
+    dead: list[int],
+    survivors: list[int],
+    n: int,
     m: int,
     b: int,
+    fresh,
+    can_slice: bool,
     cost: CostModel,
     target_ratio: float,
-    allowed: DegradedTechniques | None,
-) -> None:
-    """`hybrid` at sample granularity: per rank over the target, degrade tasks from the end
-    (taken-over slices and micro-batches first, then own ones) until the predicted step time
-    meets it; all if it cannot. With `allowed` (techniques auto), each measured subset is tried
-    and the least accuracy cost (fraction-weighted) among those that fit wins, as in
-    `_choose_techniques`."""
-    target_s = target_ratio * cost.step_time(m, 0)
-    if allowed is None:
-        candidates = [(None, 0.0)]
-    else:
-        candidates = [(t, t.accuracy_cost) for t in cost.measured_techniques if t.issubset(allowed)]
-    for r, ts in tasks.items():
-        fractions = [t.num_samples(b) / b for t in ts]
-        if _rank_time(cost, fractions, 0, None) <= target_s * (1 + 1e-12) or not candidates:
-            continue
-        options = []
-        for techniques, accuracy_per_mb in candidates:
-            k = next(
-                (
-                    k
-                    for k in range(1, len(ts) + 1)
-                    if _rank_time(cost, fractions, k, techniques) <= target_s * (1 + 1e-12)
-                ),
-                None,
-            )
-            fits = k is not None
-            k = len(ts) if k is None else k
-            step_s = _rank_time(cost, fractions, k, techniques)
-            if step_s is None:
-                continue
-            accuracy = accuracy_per_mb * sum(fractions[len(ts) - k :])
-            key = (0, accuracy, step_s) if fits else (1, step_s, accuracy)
-            name = () if techniques is None else (len(techniques.names), techniques.key)
-            options.append((key + name, techniques, k))
-        # nothing degraded competes as a non-fitting option (degrading may not be faster)
-        options.append(((1, _rank_time(cost, fractions, 0, None), 0.0, -1, ""), None, 0))
-        _, chosen, k = min(options, key=lambda o: o[0])
-        num = len(ts)
-        tasks[r] = [
-            MicroBatchTask(
-                t.source_dp_rank,
-                t.micro_index,
-                j >= num - k,
-                chosen if j >= num - k else None,
-                t.samples,
-            )
-            for j, t in enumerate(ts)
-        ]
-
-
-def _rank_time(
-    cost: CostModel,
-    fractions: list[float],
-    num_degraded: int,
-    techniques: DegradedTechniques | None,
-) -> float | None:
-    """Predicted step time of a rank whose last `num_degraded` tasks are degraded."""
-    total = cost.step_overhead_s
-    first_degraded = len(fractions) - num_degraded
-    for j, fraction in enumerate(fractions):
-        degraded = j >= first_degraded
-        seconds = cost.task_time(fraction, degraded=degraded, techniques=techniques)
-        if seconds is None:
-            return None
-        total += seconds
-    return total
-
-
-def _degrade_to_target(
-    tasks: dict[int, list[MicroBatchTask]], m: int, cost: CostModel, target_ratio: float
-) -> None:
-    target_s = target_ratio * cost.step_time(m, 0)
-    if cost.degraded_microbatch_s >= cost.exact_microbatch_s:
-        return  # degrading would not make anything faster
-    for r, ts in tasks.items():
-        num = len(ts)
-        if cost.step_time(num, 0) <= target_s * (1 + 1e-12):
-            continue
-        # smallest k with step_time(num - k, k) <= target_s (each switch saves the same time)
-        saving = cost.exact_microbatch_s - cost.degraded_microbatch_s
-        k = math.ceil((cost.step_time(num, 0) - target_s) / saving - 1e-9)
-        k = min(num, max(0, k))
-        # degrade from the end: taken-over micro-batches first, then the rank's own
-        tasks[r] = [
-            MicroBatchTask(t.source_dp_rank, t.micro_index, j >= num - k) for j, t in enumerate(ts)
-        ]
-
-
-def _num_to_degrade(num: int, exact_s: float, degraded_s: float, cost: CostModel, target_s: float):
-    """Smallest k <= num with step time (num - k exact, k degraded) <= target_s, or None."""
-    now = cost.step_overhead_s + num * exact_s
-    if now <= target_s * (1 + 1e-12):
-        return 0
-    if degraded_s >= exact_s:
-        return None
-    k = math.ceil((now - target_s) / (exact_s - degraded_s) - 1e-9)
-    return max(0, k) if k <= num else None
-
-
-def _choose_techniques(
-    tasks: dict[int, list[MicroBatchTask]],
-    m: int,
-    cost: CostModel,
-    target_ratio: float,
+    choose_techniques: bool,
     allowed: DegradedTechniques,
-) -> None:
-    """hybrid with `hybrid_techniques: auto`: per rank over the target, the technique set (and
-    the fewest micro-batches k to degrade with it) of least accuracy cost k x cost(set) among the
-    sets that meet the target; ties: lower predicted step time, then fewer techniques. If none
-    meets it, every micro-batch of the rank is degraded with the fastest set (ties: least
-    accuracy cost)."""
-    target_s = target_ratio * cost.step_time(m, 0)
-    exact_s = cost.exact_microbatch_s
-    candidates = [
-        (t, cost.degraded_time(t)) for t in cost.measured_techniques if t.issubset(allowed)
-    ]
-    for r, ts in tasks.items():
-        num = len(ts)
-        if cost.step_time(num, 0) <= target_s * (1 + 1e-12) or not candidates:
-            continue
-        options = []  # (meets target?, accuracy cost, step time, #techniques, key), techniques, k
-        for t, t_s in candidates:
-            k = _num_to_degrade(num, exact_s, t_s, cost, target_s)
-            fits = k is not None
-            k = num if k is None else k
-            step_s = cost.step_overhead_s + (num - k) * exact_s + k * t_s
-            accuracy = k * t.accuracy_cost
-            rank_key = (0, accuracy, step_s) if fits else (1, step_s, accuracy)
-            options.append((rank_key + (len(t.names), t.key), t, k))
-        _, chosen, k = min(options, key=lambda o: o[0])
-        # degrade from the end: taken-over micro-batches first, then the rank's own
-        tasks[r] = [
-            MicroBatchTask(t.source_dp_rank, t.micro_index, True, chosen)
-            if j >= num - k
-            else MicroBatchTask(t.source_dp_rank, t.micro_index)
-            for j, t in enumerate(ts)
-        ]
+    objective: str,
+    budget: float,
+    accuracy: AccuracyCosts | None,
+) -> dict[int, list[MicroBatchTask]]:
+    """`hybrid`: the candidates of `plan.hybrid` and the objective's choice among them."""
+    accuracy = load_accuracy_costs() if accuracy is None else accuracy
+    techniques = _technique_candidates(cost, accuracy, choose_techniques, allowed)
+    bases = []
+    if can_slice:  # the configured granularity first: it wins exact ties
+        samples = fresh()
+        _assign_spread_samples(samples, dead, survivors, n, m, b)
+        bases.append(("spread/sample", samples))
+    whole = fresh()
+    _assign_spread(whole, dead, survivors, n, m)
+    bases.append(("spread", whole))
+    neighbor = fresh()
+    _assign_neighbor(neighbor, dead, survivors, n, m)
+    options = hybrid_options(
+        bases=bases,
+        neighbor=neighbor,
+        cost=cost,
+        techniques=techniques,
+        n=n,
+        m=m,
+        b=b,
+        objective=objective,
+        target_s=target_ratio * cost.step_time(m, 0),
+        budget=budget,
+    )
+    return choose(
+        options, objective=objective, target_s=target_ratio * cost.step_time(m, 0), budget=budget
+    ).tasks
+
+
+def _technique_candidates(
+    cost: CostModel, accuracy: AccuracyCosts, choose_techniques: bool, allowed: DegradedTechniques
+) -> list[Technique]:
+    """`fixed`: the configured set only; `auto`: every subset of it with a measured time and a
+    measured accuracy cost."""
+    if not choose_techniques:
+        acc = accuracy.of(allowed)
+        if acc is None:
+            raise ValueError(
+                f"{accuracy.source or 'the accuracy costs'} has no cost for the configured "
+                f"technique set {allowed.key!r}; measure it (tools/bench/convergence.py "
+                "--accuracy-costs) or point mecefo.accuracy_costs at a table that has it"
+            )
+        return [Technique(None, cost.degraded_microbatch_s, acc)]
+    out = []
+    for t in cost.measured_techniques:
+        acc = accuracy.of(t)
+        if t.issubset(allowed) and acc is not None:
+            out.append(Technique(t, cost.degraded_time(t), acc))
+    return out
 
 
 def _task_key(t: MicroBatchTask) -> tuple[int, int, tuple[int, int]]:

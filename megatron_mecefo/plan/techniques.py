@@ -1,9 +1,8 @@
-"""Which MeCeFO techniques a degraded micro-batch uses, and their accuracy cost (pure; no torch).
+"""Which MeCeFO techniques a degraded micro-batch uses (pure; no torch).
 
 A `DegradedTechniques` is a plan field: the takeover planner may choose one per degraded
 micro-batch (`mecefo.hybrid_techniques: auto`) and the degraded-mode controller runs exactly it.
-The accuracy costs below order the candidates; they come from the convergence study, never from
-the run being planned.
+Their accuracy costs are measured (`plan/accuracy.py`).
 """
 
 from __future__ import annotations
@@ -17,14 +16,6 @@ _SHORT = {
     "recompute_ffn": "recompute",
     "lowrank_ffn_grad": "lowrank",
 }
-
-# Accuracy cost of one technique on one degraded micro-batch, in % of final validation loss per
-# degraded micro-batch-equivalent (relative units; only the order and the sums matter). From the
-# convergence study (docs/mecefo.md, `tools/bench/convergence.py --corpus fortunes`, moderate
-# scenario): all three techniques +0.44% loss, attention skip off (low-rank + recompute) +0.11%,
-# so the skip accounts for ~0.33 and the low-rank weight gradient for ~0.11; FFN recompute is exact
-# (bit-for-bit the same gradients), cost 0.
-ACCURACY_COST = {"skip_attention_backward": 0.33, "lowrank_ffn_grad": 0.11, "recompute_ffn": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +51,6 @@ class DegradedTechniques:
         if unknown:
             raise ValueError(f"unknown technique(s) {sorted(unknown)} in {key!r}")
         return cls(**{n: _SHORT[n] in parts for n in TECHNIQUE_NAMES})
-
-    @property
-    def accuracy_cost(self) -> float:
-        """Sum of `ACCURACY_COST` over the techniques switched on."""
-        return sum(ACCURACY_COST[n] for n in self.names)
 
     @property
     def computes_attention_grads(self) -> bool:

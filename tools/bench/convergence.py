@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--corpus", choices=["demo", "fortunes"], default="demo")
+    p.add_argument("--corpus", choices=["demo", "fortunes", "kjv"], default="demo")
     p.add_argument("--model", default="tiny", help="model preset")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layers")
     p.add_argument("--steps", type=int, default=300)
@@ -63,6 +63,51 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--mbs", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=4, help="M per replica")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=None, help="training.seed (init and data order)")
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="*",
+        default=None,
+        help="several training seeds: each runs failure-free and every config; gaps are paired "
+        "per seed and reported as mean and spread",
+    )
+    p.add_argument(
+        "--objective", choices=["accuracy", "time"], default="accuracy", help="hybrid objective"
+    )
+    p.add_argument(
+        "--budget", type=float, default=1.0, help="hybrid objective=time: accuracy budget"
+    )
+    p.add_argument(
+        "--accuracy-table",
+        default="",
+        help="accuracy-cost JSON hybrid plans with (default: the one shipped with the package)",
+    )
+    p.add_argument(
+        "--accuracy-costs",
+        default=None,
+        metavar="OUT.json",
+        help="write the measured accuracy cost of each run's technique set (neighbor-policy "
+        "configs: gap in ppl %% / mean degraded share of the global batch, over the seeds) to "
+        "OUT.json, the table the planner reads (megatron_mecefo/plan/accuracy_costs.json)",
+    )
+    p.add_argument(
+        "--cost-model",
+        default=None,
+        metavar="PATH.json",
+        help="the planner's cost model: loaded from PATH if it exists, else calibrated and saved "
+        "there, so several runs (seeds, corpora) plan with the same measured times",
+    )
+    p.add_argument(
+        "--calib-reps", type=int, default=5, help="calibration: timed rounds (min of each)"
+    )
+    p.add_argument(
+        "--skip-layers",
+        nargs="*",
+        default=[],
+        help="extra neighbor configs skipping attention backward only in these layers "
+        "(mecefo.skip_attention_layers values, e.g. last:4 first:2 every:2)",
+    )
     p.add_argument("--scenarios", nargs="*", default=list(SCENARIOS))
     p.add_argument(
         "--configs",
@@ -79,8 +124,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="demo corpus, 60 steps, 2 configs")
     p.add_argument("--demo-dir", default=".cache/demo_data")
     p.add_argument("--corpus-dir", default=".cache/fortunes_data")
+    p.add_argument("--kjv-dir", default=".cache/kjv_data")
     p.add_argument("--out", default="bench_out/convergence.json")
     args = p.parse_args()
+    if args.seeds is None:
+        args.seeds = [args.seed]
+    elif args.seed is not None:
+        p.error("give --seed or --seeds, not both")
+    for spec in args.skip_layers:
+        CONFIGS[f"skip@{spec}"] = ("neighbor", [f"mecefo.skip_attention_layers={spec}"])
+        if args.configs is not None:
+            args.configs.append(f"skip@{spec}")
+    unknown = sorted(set(args.configs or ()) - set(CONFIGS))
+    if unknown:
+        p.error(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
     if args.quick:
         args.corpus, args.steps, args.reps = "demo", 60, 2
         args.configs = args.configs or ["neighbor", "hybrid"]
@@ -105,25 +162,65 @@ def prepare_fortunes(corpus_dir: str) -> list[str]:
                 continue
             text = path.read_text(encoding="utf-8", errors="ignore")
             docs += [" ".join(d.split()) for d in text.split("\n%\n") if d.strip()]
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "fortunes.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
-        from preprocess_data import main as preprocess_main
-
-        code = preprocess_main(
-            [
-                "--input",
-                str(out / "fortunes.txt"),
-                "--output-prefix",
-                str(prefix),
-                "--vocab-size",
-                "512",
-                "--quiet",
-            ]
-        )
-        if code:
-            raise SystemExit(f"error: preprocessing the fortunes corpus failed ({code})")
-        print(f"fortunes corpus: {len(docs)} documents -> {prefix}.bin/.idx", flush=True)
+        _preprocess(out, "fortunes", docs)
     return [f"data.path={prefix}", f"data.tokenizer_model={prefix}.model"]
+
+
+def prepare_kjv(corpus_dir: str) -> list[str]:
+    """The King James Bible (Debian's bible-kjv: `bible -f`), one chapter per document."""
+    import shutil
+    import subprocess
+
+    out = Path(corpus_dir)
+    prefix = out / "kjv"
+    if not (out / "kjv.idx").exists():
+        if shutil.which("bible") is None:
+            raise SystemExit(
+                "error: the `bible` command was not found: install Debian's bible-kjv package "
+                "(apt-get install bible-kjv) or use --corpus demo"
+            )
+        text = subprocess.run(
+            ["bible", "-f", "gen1:1-rev22:21"], capture_output=True, text=True, timeout=120
+        ).stdout
+        chapters: dict[str, list[str]] = {}
+        for line in text.splitlines():
+            ref, _, verse = line.partition(" ")
+            if verse:
+                chapters.setdefault(ref.split(":")[0], []).append(verse.strip())
+        docs = [" ".join(v) for v in chapters.values()]
+        if len(docs) < 1000:
+            raise SystemExit(f"error: `bible -f` gave {len(docs)} chapters, expected 1189")
+        _preprocess(out, "kjv", docs)
+    return [f"data.path={prefix}", f"data.tokenizer_model={prefix}.model"]
+
+
+def _preprocess(out: Path, name: str, docs: list[str]) -> None:
+    from preprocess_data import main as preprocess_main
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.txt").write_text("\n".join(docs) + "\n", encoding="utf-8")
+    code = preprocess_main(
+        [
+            "--input",
+            str(out / f"{name}.txt"),
+            "--output-prefix",
+            str(out / name),
+            "--vocab-size",
+            "512",
+            "--quiet",
+        ]
+    )
+    if code:
+        raise SystemExit(f"error: preprocessing the {name} corpus failed ({code})")
+    print(f"{name} corpus: {len(docs)} documents -> {out / name}.bin/.idx", flush=True)
+
+
+def corpus_overrides(args) -> list[str]:
+    if args.corpus == "fortunes":
+        return prepare_fortunes(args.corpus_dir)
+    if args.corpus == "kjv":
+        return prepare_kjv(args.kjv_dir)
+    return []
 
 
 # ---------------------------------------------------------------------------------- engine
@@ -139,6 +236,8 @@ def build(args, ctx, overrides: list[str]):
     ]
     if args.num_layers:
         extra.append(f"model.num_layers={args.num_layers}")
+    if args.seed is not None:
+        extra.append(f"training.seed={args.seed}")
     return build_bench_engine(
         ctx,
         args.model,
@@ -160,6 +259,9 @@ def union_plan(plans: dict):
         num_replicas=first.num_replicas,
         microbatches_per_replica=first.microbatches_per_replica,
         masked_scale=first.masked_scale,
+        micro_batch_size=next(
+            (p.micro_batch_size for p in plans.values() if p.micro_batch_size), None
+        ),
     )
 
 
@@ -173,10 +275,16 @@ def dead_at(scenario: str | None, step: int, steps: int) -> tuple[int, ...]:
 
 
 CONFIGS = {
-    # name -> (policy, mecefo overrides)
+    # name -> (policy, mecefo overrides); hybrid plans with --objective, --target-ratio, --budget
     "neighbor": ("neighbor", []),
     "spread": ("spread", []),
     "hybrid": ("hybrid", []),
+    "hybrid_sample": ("hybrid", ["mecefo.takeover_granularity=sample"]),
+    "hybrid_auto": ("hybrid", ["mecefo.hybrid_techniques=auto"]),
+    "hybrid_sample_auto": (
+        "hybrid",
+        ["mecefo.takeover_granularity=sample", "mecefo.hybrid_techniques=auto"],
+    ),
     "no_skip": ("neighbor", ["mecefo.skip_attention_backward=false"]),
     "no_recompute": ("neighbor", ["mecefo.recompute_ffn=false"]),
     "no_lowrank": ("neighbor", ["mecefo.lowrank_ffn_grad=false"]),
@@ -184,14 +292,15 @@ CONFIGS = {
 }
 
 
-def train(args, ctx, scenario, policy, overrides, cost) -> dict:
+def train(args, ctx, scenario, policy, overrides, cost, accuracy=None) -> dict:
     """One emulated n-replica run; returns the curve, final val loss and the slowest plans."""
     from megatron_mecefo.plan import make_step_plans
     from megatron_mecefo.plan.takeover import plan_step_times
 
     engine = build(args, ctx, overrides)
+    mec = engine.cfg.mecefo
     n, m = args.replicas, args.microbatches
-    curve, degraded_steps, slowest = [], 0, None
+    curve, degraded_steps, slowest, degraded_mbe = [], 0, None, 0.0
     start = time.perf_counter()
     for step in range(args.steps):
         dead = dead_at(scenario, step, args.steps)
@@ -203,14 +312,23 @@ def train(args, ctx, scenario, policy, overrides, cost) -> dict:
             policy=policy,
             cost=cost,
             target_ratio=args.target_ratio,
+            choose_techniques=mec.hybrid_techniques == "auto",
+            allowed_techniques=mec.techniques,
+            granularity=mec.takeover_granularity,
+            micro_batch_size=args.mbs,
+            objective=args.objective,
+            accuracy_budget=args.budget,
+            accuracy=accuracy,
         )
         if dead:
             times = plan_step_times(plans, cost)
-            worst = plans[max(times, key=times.get)]
-            key = (len(worst.tasks), worst.num_degraded)
-            if slowest is None or key > (len(slowest.tasks), slowest.num_degraded):
-                slowest = worst
+            worst = max(times, key=times.get)
+            if slowest is None or times[worst] > slowest[1]:
+                slowest = (plans[worst], times[worst])
             degraded_steps += any(p.num_degraded for p in plans.values())
+            degraded_mbe += sum(
+                p.task_fraction(t) for p in plans.values() for t in p.tasks if t.degraded
+            )
         result = engine.train_step(step, union_plan(plans))
         curve.append(result.loss)
         if (step + 1) % max(1, args.steps // 5) == 0:
@@ -224,8 +342,12 @@ def train(args, ctx, scenario, policy, overrides, cost) -> dict:
         "engine": engine,
         "loss_curve": curve,
         "val_loss": val,
-        "slowest_plan": slowest,
+        "slowest_plan": slowest[0] if slowest else None,
+        "slowest_predicted_s": slowest[1] if slowest else None,
+        "techniques": mec.techniques.key,
         "steps_with_degraded": degraded_steps,
+        # mean share of the global batch that ran degraded, per step of the run
+        "degraded_fraction": degraded_mbe / (args.steps * n * m),
     }
 
 
@@ -237,30 +359,63 @@ def time_plan(engine, plan, reps: int) -> float:
 
 
 def calibrate(args, ctx):
-    """Cost model from separate calibration steps (not the runs it is used for)."""
-    from megatron_mecefo.plan import CostModel, MicroBatchTask, RankStepPlan
+    """Cost model from separate calibration steps (not the runs it is used for): exact, degraded
+    with the configured techniques, and degraded with each subset of them (`hybrid_auto`)."""
+    from megatron_mecefo.plan import CostModel, MicroBatchTask, RankStepPlan, candidate_techniques
 
     engine = build(args, ctx, [])
     m = args.microbatches
+    installed = engine.cfg.mecefo.techniques
 
-    def plan(flags):
-        tasks = tuple(MicroBatchTask(i // m, i % m, f) for i, f in enumerate(flags))
+    def plan(flags, techniques=None):
+        tasks = tuple(
+            MicroBatchTask(i // m, i % m, f, techniques if f else None) for i, f in enumerate(flags)
+        )
         return RankStepPlan(tasks=tasks, num_replicas=2, microbatches_per_replica=m)
 
-    t = {
-        k: time_plan(engine, plan(f), args.reps + 2)
-        for k, f in (
-            ("exact", [False] * m),
-            ("double", [False] * (2 * m)),
-            ("mixed", [False] * m + [True] * m),
-        )
+    cases = {
+        "exact": plan([False] * m),
+        "double": plan([False] * (2 * m)),
+        "mixed": plan([False] * m + [True] * m),
     }
-    exact_mb = max(1e-9, (t["double"] - t["exact"]) / m)
-    degraded_mb = max(1e-9, min(exact_mb, (t["mixed"] - t["exact"]) / m))
-    overhead = max(t["exact"] - m * exact_mb, -0.5 * exact_mb)
+    for t in candidate_techniques(installed):
+        cases[t.key] = plan([False] * m + [True] * m, t)
+    best = {k: math.inf for k in cases}
+    for _ in range(args.calib_reps):  # interleaved, min of each
+        for k, p in cases.items():
+            best[k] = min(best[k], time_plan(engine, p, 1))
+    exact_mb = max(1e-9, (best["double"] - best["exact"]) / m)
+
+    def degraded_mb(key):
+        return max(1e-9, (best[key] - best["exact"]) / m)
+
+    overhead = max(best["exact"] - m * exact_mb, -0.5 * exact_mb)
     return CostModel.from_measured(
-        exact_microbatch_s=exact_mb, degraded_microbatch_s=degraded_mb, step_overhead_s=overhead
+        exact_microbatch_s=exact_mb,
+        degraded_microbatch_s=degraded_mb("mixed"),
+        step_overhead_s=overhead,
+        technique_microbatch_s={t.key: degraded_mb(t.key) for t in candidate_techniques(installed)},
     )
+
+
+def load_or_calibrate(args, ctx):
+    from megatron_mecefo.plan import CostModel
+
+    path = Path(args.cost_model) if args.cost_model else None
+    shape = {k: getattr(args, k) for k in ("model", "num_layers", "microbatches", "mbs")}
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        if saved.get("shape") != shape:
+            raise SystemExit(
+                f"error: {path} was calibrated for {saved.get('shape')}, this run is {shape}"
+            )
+        print(f"cost model from {path}", flush=True)
+        return CostModel.from_measured(**saved["cost_model"])
+    cost = calibrate(args, ctx)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"cost_model": vars(cost), "shape": shape}, indent=2))
+    return cost
 
 
 # ---------------------------------------------------------------------------------- basis error
@@ -345,67 +500,186 @@ def main() -> int:
 
     from megatron_mecefo.mcore.config import ParallelConfig
     from megatron_mecefo.mcore.parallel import init_parallel
+    from megatron_mecefo.plan import load_accuracy_costs
 
     torch.set_num_threads(args.threads)
-    args.data_overrides = prepare_fortunes(args.corpus_dir) if args.corpus == "fortunes" else []
+    args.data_overrides = corpus_overrides(args)
     ctx = init_parallel(ParallelConfig())
-    report = {"args": {k: v for k, v in vars(args).items() if k != "data_overrides"}}
+    report = {
+        "args": {k: v for k, v in vars(args).items() if k != "data_overrides"},
+        "command": "python tools/bench/convergence.py " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     if args.basis_error:
+        args.seed = args.seeds[0]
         rows = basis_error(args, ctx)
         report["basis_error"] = {"rows": rows, "mean": summarize_basis(rows)}
         print(f"\nrelative FFN weight-gradient error at r = {args.rank} of the input dim:")
         for linear, vals in report["basis_error"]["mean"].items():
             print(f"  {linear:<4} " + "  ".join(f"{k} {v:.3f}" for k, v in vals.items()))
         return _write(report, args.out)
-    cost = calibrate(args, ctx)
+    accuracy = load_accuracy_costs(args.accuracy_table or None)
+    report["accuracy_table"] = {"source": accuracy.source, "costs": dict(accuracy.costs)}
+    args.seed = args.seeds[0]
+    cost = load_or_calibrate(args, ctx)
     report["cost_model"] = vars(cost)
     print(
         f"cost model (separate calibration steps): exact {cost.exact_microbatch_s * 1e3:.1f} ms, "
         f"degraded {cost.degraded_microbatch_s * 1e3:.1f} ms, overhead "
-        f"{cost.step_overhead_s * 1e3:.1f} ms",
+        f"{cost.step_overhead_s * 1e3:.1f} ms; per technique set (ms): "
+        + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in cost.technique_microbatch_s),
         flush=True,
     )
-    print("failure-free:", flush=True)
-    base = train(args, ctx, None, "spread", [], cost)
-    report["failure_free"] = {"val_loss": base["val_loss"], "loss_curve": base["loss_curve"]}
     normal_plan = _normal_plan(args)
-    rows = []
-    for scenario in args.scenarios:
-        for name in args.configs or list(CONFIGS):
-            policy, overrides = CONFIGS[name]
-            print(f"{scenario} / {name}:", flush=True)
-            run = train(args, ctx, scenario, policy, overrides, cost)
-            engine, slow = run["engine"], run["slowest_plan"]
-            t_normal = t_slow = math.inf
-            for _ in range(args.reps):  # interleaved A/B on the trained engine
-                t_normal = min(t_normal, time_plan(engine, normal_plan, 1))
-                t_slow = min(t_slow, time_plan(engine, slow, 1))
-            gap = run["val_loss"] - base["val_loss"]
-            row = {
-                "scenario": scenario,
-                "config": name,
-                "policy": policy,
-                "overrides": overrides,
-                "val_loss": run["val_loss"],
-                "gap_loss_pct": 100 * gap / base["val_loss"],
-                "gap_ppl_pct": 100 * (math.exp(gap) - 1),
-                "steps_with_degraded": run["steps_with_degraded"],
-                "slowest_rank": {"microbatches": len(slow.tasks), "degraded": slow.num_degraded},
-                "step_time_ratio": t_slow / t_normal,
-                "loss_curve": run["loss_curve"],
-            }
-            rows.append(row)
-            print(
-                f"  val {row['val_loss']:.4f} (failure-free {base['val_loss']:.4f}): gap "
-                f"{row['gap_loss_pct']:+.2f}% loss, {row['gap_ppl_pct']:+.2f}% ppl; slowest "
-                f"rank {len(slow.tasks)} mb ({slow.num_degraded} degraded) "
-                f"{row['step_time_ratio']:.2f}x",
-                flush=True,
-            )
-            del engine, run
+    normal_s = cost.step_time(args.microbatches, 0)
+    rows, by_seed = [], {}
+    for seed in args.seeds:
+        args.seed = seed
+        print(f"failure-free (seed {seed}):", flush=True)
+        base = train(args, ctx, None, "spread", [], cost, accuracy)
+        by_seed[str(seed)] = {"val_loss": base["val_loss"], "loss_curve": base["loss_curve"]}
+        for scenario in args.scenarios:
+            for name in args.configs or list(CONFIGS):
+                policy, overrides = CONFIGS[name]
+                print(f"{scenario} / {name} (seed {seed}):", flush=True)
+                run = train(args, ctx, scenario, policy, overrides, cost, accuracy)
+                rows.append(_row(args, run, base, scenario, name, normal_plan, normal_s, seed))
+                del run
+    first = by_seed[str(args.seeds[0])]
+    report["failure_free"] = {**first, "by_seed": by_seed}
     report["rows"] = rows
+    report["summary"] = summarize(rows)
     print_table(report, args)
+    if args.accuracy_costs:
+        write_accuracy_costs(report, args)
     return _write(report, args.out)
+
+
+def _row(args, run, base, scenario, name, normal_plan, normal_s, seed) -> dict:
+    policy, overrides = CONFIGS[name]
+    engine, slow = run["engine"], run["slowest_plan"]
+    t_normal = t_slow = math.inf
+    time_plan(engine, normal_plan, 1)  # warm-up: the first step at a new tau-bucket refreshes V
+    time_plan(engine, slow, 1)
+    for _ in range(args.reps):  # interleaved A/B on the trained engine
+        t_normal = min(t_normal, time_plan(engine, normal_plan, 1))
+        t_slow = min(t_slow, time_plan(engine, slow, 1))
+    gap = run["val_loss"] - base["val_loss"]
+    row = {
+        "scenario": scenario,
+        "config": name,
+        "policy": policy,
+        "overrides": overrides,
+        "seed": seed,
+        "techniques": run["techniques"],
+        "val_loss": run["val_loss"],
+        "failure_free_val_loss": base["val_loss"],
+        "gap_loss_pct": 100 * gap / base["val_loss"],
+        "gap_ppl_pct": 100 * (math.exp(gap) - 1),
+        "steps_with_degraded": run["steps_with_degraded"],
+        "degraded_fraction": run["degraded_fraction"],
+        "slowest_rank": {
+            "microbatches": round(slow.microbatch_equivalents, 3),
+            "degraded": slow.num_degraded,
+        },
+        "step_time_ratio": t_slow / t_normal,
+        "predicted_step_ratio": run["slowest_predicted_s"] / normal_s,
+        "loss_curve": run["loss_curve"],
+    }
+    print(
+        f"  val {row['val_loss']:.4f} (failure-free {base['val_loss']:.4f}): gap "
+        f"{row['gap_loss_pct']:+.2f}% loss, {row['gap_ppl_pct']:+.2f}% ppl; slowest rank "
+        f"{slow.microbatch_equivalents:.2f} mb ({slow.num_degraded} degraded) "
+        f"{row['step_time_ratio']:.2f}x measured, {row['predicted_step_ratio']:.2f}x predicted; "
+        f"{100 * row['degraded_fraction']:.1f}% of the work degraded",
+        flush=True,
+    )
+    return row
+
+
+def _stats(values: list[float]) -> dict:
+    k = len(values)
+    mean = sum(values) / k
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / (k - 1)) if k > 1 else 0.0
+    return {"mean": mean, "std": std, "n": k, "min": min(values), "max": max(values)}
+
+
+# two-sided 95% Student t quantiles by degrees of freedom (seeds - 1)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per (scenario, config): mean and spread over seeds of the paired perplexity gap, its 95%
+    confidence interval (Student t over the seeds), and whether it is beyond seed noise (the
+    interval excludes 0)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scenario"], r["config"]), []).append(r)
+    out = []
+    for (scenario, config), rs in groups.items():
+        gap = _stats([r["gap_ppl_pct"] for r in rs])
+        if gap["n"] > 1:
+            half = _T95.get(gap["n"] - 1, 1.96) * gap["std"] / math.sqrt(gap["n"])
+        else:
+            half = math.inf
+        out.append(
+            {
+                "scenario": scenario,
+                "config": config,
+                "techniques": rs[0]["techniques"],
+                "gap_ppl_pct": gap,
+                "ci95": [gap["mean"] - half, gap["mean"] + half],
+                "beyond_noise": abs(gap["mean"]) > half,
+                "step_time_ratio": _stats([r["step_time_ratio"] for r in rs]),
+                "predicted_step_ratio": _stats([r["predicted_step_ratio"] for r in rs]),
+                "degraded_fraction": _stats([r["degraded_fraction"] for r in rs]),
+            }
+        )
+    return out
+
+
+def write_accuracy_costs(report: dict, args) -> None:
+    """The planner's table: per technique set, the perplexity gap per unit of degraded share
+    (neighbor-policy rows only, where one technique set runs every degraded micro-batch)."""
+    per_set: dict[str, list[float]] = {}
+    for r in report["rows"]:
+        if r["policy"] == "neighbor" and r["degraded_fraction"] > 0:
+            per_set.setdefault(r["techniques"], []).append(
+                r["gap_ppl_pct"] / r["degraded_fraction"]
+            )
+    costs = {}
+    for key, values in sorted(per_set.items()):
+        stats = _stats(values)
+        # a mean below 0 (within seed noise of 0) is stored as 0: a cost is never negative
+        costs[key] = {**stats, "mean": max(0.0, stats["mean"]), "raw_mean": stats["mean"]}
+        costs[key]["per_seed"] = values
+    table = {
+        "unit": "% perplexity gap if the whole global batch ran degraded with the set on every "
+        "step (a plan costs the sum over its degraded tasks of cost x share of the global batch)",
+        "costs": costs,
+        "recompute": "exact (bit-identical gradients, tested): a set costs what it costs "
+        "without recompute",
+        "measured": {
+            "command": report["command"],
+            "date": report["date"],
+            "corpus": args.corpus,
+            "model": args.model,
+            "num_layers": args.num_layers,
+            "replicas": args.replicas,
+            "microbatches": args.microbatches,
+            "micro_batch_size": args.mbs,
+            "steps": args.steps,
+            "scenarios": args.scenarios,
+            "seeds": args.seeds,
+        },
+    }
+    path = Path(args.accuracy_costs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=2) + "\n")
+    print(
+        f"wrote the accuracy-cost table {path}: "
+        + ", ".join(f"{k} {v['mean']:.2f} +- {v['std']:.2f}" for k, v in costs.items())
+    )
 
 
 def _normal_plan(args):
@@ -415,15 +689,24 @@ def _normal_plan(args):
 
 
 def print_table(report: dict, args) -> None:
+    seeds = ", ".join(str(s) for s in args.seeds)
     print(
-        f"\n{args.corpus}, {args.model}, n = {args.replicas}, M = {args.microbatches}, "
-        f"{args.steps} steps; failure-free val loss {report['failure_free']['val_loss']:.4f}"
+        f"\n{args.corpus}, {args.model}, layers {args.num_layers or 'preset'}, n = "
+        f"{args.replicas}, M = {args.microbatches}, mbs {args.mbs}, {args.steps} steps, seeds "
+        f"{seeds}; failure-free val loss {report['failure_free']['val_loss']:.4f} (seed "
+        f"{args.seeds[0]})"
     )
-    print(f"{'scenario':<10}{'config':<14}{'val':>8}{'loss %':>9}{'ppl %':>9}{'step x':>8}")
-    for r in report["rows"]:
+    print(
+        f"{'scenario':<10}{'config':<20}{'ppl gap % (mean +- sd)':>24}{'95% CI':>18}"
+        f"{'step x meas':>12}{'step x pred':>12}{'degraded':>10}"
+    )
+    for r in report["summary"]:
+        g, (lo, hi) = r["gap_ppl_pct"], r["ci95"]
         print(
-            f"{r['scenario']:<10}{r['config']:<14}{r['val_loss']:>8.4f}{r['gap_loss_pct']:>+9.2f}"
-            f"{r['gap_ppl_pct']:>+9.2f}{r['step_time_ratio']:>8.2f}"
+            f"{r['scenario']:<10}{r['config']:<20}{g['mean']:>+14.2f} +- {g['std']:<6.2f}"
+            f"{f'[{lo:+.2f}, {hi:+.2f}]':>18}"
+            f"{r['step_time_ratio']['mean']:>12.2f}{r['predicted_step_ratio']['mean']:>12.2f}"
+            f"{100 * r['degraded_fraction']['mean']:>9.1f}%"
         )
 
 

@@ -1,7 +1,7 @@
 """End-to-end benchmark report: run the benchmark tools, then write BENCHMARKS.md and PNG plots.
 
-    python tools/bench/report.py --quick        # a few minutes on the 2-core CPU machine
-    python tools/bench/report.py                # the full set (tens of minutes on CPU)
+    python tools/bench/report.py --quick        # ~30 min on the shared 2-core CPU machine
+    python tools/bench/report.py                # the full set (an hour or more on CPU)
     python tools/bench/report.py --skip-run     # rebuild the report from the existing JSONs
 
 Each tool runs as a subprocess writing its JSON under --out-dir (its log next to it); manifest.json
@@ -161,6 +161,7 @@ TOOLS = (
         16384,
         8,
         2000,
+        SPARE_STRATEGIES,  # the no-spares baseline of the two spare runs below
     ),
     _sim(
         "sim_llama3_16k_spares",
@@ -182,6 +183,41 @@ TOOLS = (
         2000,
         SPARE_STRATEGIES,
         ("--spare-nodes", "4", "--replace-s", "120"),
+    ),
+    Tool(
+        "node_loss",
+        "node loss, 1 standby node",
+        "tools/bench/node_loss.py",
+        ("--rounds", "3"),
+        ("--rounds", "1"),
+    ),
+    Tool(
+        "node_loss_nospare",
+        "node loss, no standby (baseline)",
+        "tools/bench/node_loss.py",
+        ("--standby", "0", "--rounds", "2"),
+        ("--standby", "0", "--rounds", "1"),
+    ),
+    Tool(
+        "control_plane",
+        "control plane under a 16k-rank load (synthetic clients)",
+        "tools/bench/control_plane.py",
+        (),  # 1k, 4k and 16k ranks, modes a, a1 and b
+        ("--ranks", "16384"),
+    ),
+    Tool(
+        "control_plane_real",
+        "control plane, real jobs with one SIGKILL",
+        "tools/bench/control_plane.py",
+        ("--real-nproc", "8", "16", "32"),
+        ("--real-nproc", "8"),
+    ),
+    Tool(
+        "granularity",
+        "takeover granularity per rank",
+        "tools/bench/granularity.py",
+        (),  # tiny and small, 5 rounds
+        ("--models", "small", "--reps", "3"),
     ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]
@@ -300,7 +336,7 @@ def run_tool(
         return {**entry, "status": "missing", "reason": reason}
     out.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
-    start = time.monotonic()
+    start, load_start = time.monotonic(), os.getloadavg()[0]
     with open(log, "w") as log_fh, open(out if tool.stdout_json else os.devnull, "w") as out_fh:
         proc = subprocess.Popen(
             tool.argv(quick, out),
@@ -324,6 +360,7 @@ def run_tool(
                 if progress:
                     progress(elapsed, _tail(log))
     entry["wall_s"] = time.monotonic() - start
+    entry["loadavg_1m"] = [load_start, os.getloadavg()[0]]  # how shared the machine was
     if rc is None:
         why = f"killed after {timeout_s:.0f} s (last output: {_tail(log)})"
         return {**entry, "status": "timeout", "reason": why}
@@ -1015,14 +1052,241 @@ def section_degraded(ctx: ReportContext) -> list[str]:
     return out + [ctx.provenance("degraded"), ""]
 
 
+def _median(rows: list[dict], key: str):
+    values = sorted(r[key] for r in rows if isinstance(r.get(key), (int, float)))
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+NODE_LOSS_ROWS = (  # (label, key, scale, format)
+    ("detection of the node's ranks", "detection_ms", 1e-3, ".2f", " s"),
+    ("failure -> full data-parallel width again", "full_strength_s", 1.0, ".1f", " s"),
+    ("steps run with degraded micro-batches", "degraded_steps", 1.0, ".0f", ""),
+    ("state sent to the replacement ranks", "rejoin_bytes", 1e-6, ".1f", " MB"),
+    ("replicas alive at the end", "final_replicas", 1.0, ".0f", ""),
+)
+
+
+def section_node_loss(ctx: ReportContext) -> list[str]:
+    runs = {name: ctx.data.get(name) for name in ("node_loss", "node_loss_nospare")}
+    if all(v is None for v in runs.values()):
+        return [ctx.missing(name) for name in runs] + [""]
+    args = next(v for v in runs.values() if v is not None).get("args") or {}
+    out = [
+        f"`tools/bench/node_loss.py`: {args.get('nnodes', '?')} simulated nodes x "
+        f"{args.get('nproc', '?')} ranks, tiny model, {args.get('steps', '?')} steps; node 1's "
+        f"agent, trainers and snapshot process SIGKILLed at once at step {args.get('kill_at', '?')}"
+        "; median over the rounds. Anchor: TrainMover replaces a machine in about 20 s. The "
+        "simulator's spare-node replacement time (`MEASURED_REPLACE_S`) comes from this "
+        "measurement.",
+        "",
+    ]
+    columns = {name: (data.get("rounds") or []) if data else None for name, data in runs.items()}
+    headers = [""] + [
+        f"{'with' if n == 'node_loss' else 'without'} a standby node "
+        f"({len(r) if r is not None else 0} round(s))"
+        for n, r in columns.items()
+    ]
+    rows = []
+    for label, key, scale, spec, unit in NODE_LOSS_ROWS:
+        cells = [label]
+        for rounds in columns.values():
+            value = _median(rounds, key) if rounds is not None else None
+            if key == "full_strength_s" and rounds and value is None:
+                cells.append("never")
+            else:
+                cells.append(_f(_scale(value, scale), spec, unit))
+        rows.append(cells)
+    exits = [
+        "/".join(str(r.get("exit_code")) for r in rounds) if rounds else "-"
+        for rounds in columns.values()
+    ]
+    rows.append(["exit code per round", *exits])
+    out += _table(headers, rows)
+    for name, data in runs.items():
+        out += [ctx.missing(name) if data is None else ctx.provenance(name), ""]
+    return out
+
+
+CONTROL_PLANE_MODES = {
+    "a": "today's protocol and coordinator",
+    "a1": "today's protocol, the coordinator's two O(N^2) checks made O(N)",
+    "b": "per-node aggregation with batched coordinator reads (a proposal; synthetic clients only)",
+}
+
+
+def _cp_max(r: dict, key: str):
+    props = [(r.get(k) or {}).get("propagation") or {} for k in ("silent", "exit", "rejoin")]
+    return max((p[key] for p in props if isinstance(p.get(key), (int, float))), default=None)
+
+
+def section_control_plane(ctx: ReportContext) -> list[str]:
+    syn, real = ctx.data.get("control_plane"), ctx.data.get("control_plane_real")
+    out = [
+        "The job's store (torch's libuv `TCPStore`) and the real `Coordinator` under the load of "
+        "N ranks, driven by synthetic clients (`tools/bench/control_plane.py`; method, and what is "
+        "measured vs projected, in `docs/failover.md`). Modes: "
+        + "; ".join(f"{k} = {v}" for k, v in CONTROL_PLANE_MODES.items())
+        + ". Target (issue 16): detection < 2 s and a new generation everywhere < 1 s at 16k "
+        "ranks.",
+        "",
+    ]
+    if syn is None:
+        out += [ctx.missing("control_plane"), ""]
+    else:
+        args = syn.get("args") or {}
+        rows = []
+        for r in syn.get("synthetic") or []:
+            proj, cal = r.get("projected") or {}, r.get("calibration") or {}
+            coord = (r.get("coordinator") or {}).get("steady") or {}
+            note = r.get("error") or r.get("skipped_failures") or ""
+            removed = len(r.get("false_removals") or [])
+            note += f"{'; ' if note else ''}{removed} false removal(s)" if removed else ""
+            rows.append(
+                [
+                    r.get("mode"),
+                    _f(r.get("ranks"), ",d"),
+                    _f((proj.get("offered_requests_per_s") or {}).get("total"), ",.0f"),
+                    _f(((cal.get("protocol") or {}).get("server_us_per_request")), ".1f"),
+                    _f(proj.get("server_cores_needed"), ".2f"),
+                    f"{_f(_scale((coord.get('hb_tick_s') or {}).get('p50'), 1e3), ',.0f')} / "
+                    f"{_f(_scale((coord.get('hb_tick_cpu_s') or {}).get('p50'), 1e3), ',.0f')}",
+                    _f(coord.get("requests_per_hb_tick"), ",.0f"),
+                    _f((r.get("silent") or {}).get("detection_s"), ".2f", " s"),
+                    _f((r.get("exit") or {}).get("detection_s"), ".2f", " s"),
+                    _f((r.get("rejoin") or {}).get("rejoin_s"), ".2f", " s"),
+                    _f(_cp_max(r, "gen_s"), ".2f", " s"),
+                    note or "-",
+                ]
+            )
+        out += [
+            f"Soft heartbeat timeout {args.get('heartbeat_timeout_s', '?')} s, synthetic step "
+            f"{args.get('step_s', '?')} s. Store requests/s of all N ranks by the protocol "
+            "(computed), the store's CPU per request (measured) and the store threads that load "
+            "needs (projected: one libuv thread cannot hold above ~0.7); the coordinator's tick "
+            "that reads heartbeats, wall / CPU, p50 (measured at full N) and its store requests "
+            "per tick; failure -> new generation (measured); a new generation seen by every live "
+            "client (max over the three).",
+            "",
+        ]
+        out += _table(
+            [
+                "mode",
+                "ranks",
+                "requests/s (protocol)",
+                "us / request",
+                "store threads needed",
+                "tick ms wall / CPU",
+                "requests / tick",
+                "silent -> gen",
+                "exit -> gen",
+                "rejoin -> gen",
+                "gen seen everywhere",
+                "note",
+            ],
+            rows,
+        )
+        out += [ctx.provenance("control_plane"), ""]
+    if real is None:
+        out += [ctx.missing("control_plane_real"), ""]
+    else:
+        out += [
+            "Real jobs (`launch/local/run.sh`, tiny demo model, one rank SIGKILLed at step "
+            f"{(real.get('args') or {}).get('real_kill_step', '?')}, back 3 steps later):",
+            "",
+        ]
+        out += _table(
+            ["ranks", "exit", "first step after", "detection", "regroup", "rejoined", "note"],
+            [
+                [
+                    r.get("nproc"),
+                    r.get("exit_code", "-"),
+                    _f(r.get("first_step_s"), ".1f", " s"),
+                    _f(r.get("detection_ms"), ".0f", " ms"),
+                    _f(r.get("regroup_ms"), ".0f", " ms"),
+                    {True: "yes", False: "no"}.get(r.get("rejoined"), "-"),
+                    r.get("skipped") or r.get("note") or "-",
+                ]
+                for r in real.get("real") or []
+            ],
+        )
+        out += [ctx.provenance("control_plane_real"), ""]
+    return out
+
+
+def section_granularity(ctx: ReportContext) -> list[str]:
+    gran = ctx.data.get("granularity")
+    if gran is None:
+        return [ctx.missing("granularity"), ""]
+    out = [
+        "The slowest `spread` survivor with one of n replicas dead, taking over whole "
+        "micro-batches (`mecefo.takeover_granularity: microbatch`, the default) or sample slices "
+        "(`sample`); "
+        "one real training step each, world 1, step time over a normal rank's (fastest of the "
+        "rounds, scenarios interleaved). The prediction is proportional (a slice costs its share "
+        "of a micro-batch); see `docs/mecefo.md`.",
+        "",
+    ]
+    for m in gran.get("models") or []:
+        rows = m.get("rows") or []
+        by_n: dict = {}
+        for r in rows:
+            by_n.setdefault(r.get("n"), {})[r.get("granularity")] = r
+        out += [
+            f"`{m.get('model', '?')}` ({m.get('shape', '?')}, {m.get('device', '?')}), b = "
+            f"{m.get('mbs')} samples per micro-batch, M = {m.get('microbatches')}: normal step "
+            f"{_f(_scale(m.get('normal_step_s'), 1e3), '.1f', ' ms')}; fixed cost of a slice "
+            f"{_f(_scale(m.get('slice_overhead_s'), 1e3), '.2f', ' ms')} = "
+            f"{_f(_scale(m.get('slice_overhead_fraction'), 100), '.0f', '%')} of a micro-batch.",
+            "",
+        ]
+        table = []
+        for n, g in by_n.items():
+            mb, sm = g.get("microbatch") or {}, g.get("sample") or {}
+            gain = (
+                100 * (1 - sm["ratio"] / mb["ratio"])
+                if isinstance(mb.get("ratio"), (int, float))
+                and isinstance(sm.get("ratio"), (int, float))
+                else None
+            )
+            table.append(
+                [
+                    n,
+                    _f(mb.get("ratio"), ".3f", "x"),
+                    _f(sm.get("ratio"), ".3f", "x"),
+                    f"{_f(mb.get('predicted_ratio'), '.3f')} / "
+                    f"{_f(sm.get('predicted_ratio'), '.3f')}",
+                    _f(sm.get("slices"), "d"),
+                    _f(gain, "+.1f", "%"),
+                ]
+            )
+        out += _table(
+            [
+                "n",
+                "whole micro-batches",
+                "sample slices",
+                "proportional prediction (micro-batch / sample)",
+                "slices",
+                "slowest rank faster by",
+            ],
+            table,
+        )
+    return out + [ctx.provenance("granularity"), ""]
+
+
 SECTIONS = (
     ("Throughput drop under failures", section_throughput),
     ("Loss gap vs failure-free", section_loss_gap),
     ("Detection, regroup and recovery times", section_latencies),
+    ("Node loss and standby nodes", section_node_loss),
+    ("Control plane at 16k ranks", section_control_plane),
     ("Snapshot overhead and restore times", section_snapshot),
     ("SPARe table (time to train at 600k GPUs)", section_spare),
     ("Step time", section_step_time),
     ("Degraded-mode step time per rank", section_degraded),
+    ("Takeover granularity per rank", section_granularity),
 )
 
 
@@ -1030,10 +1294,13 @@ def _header(ctx: ReportContext, now: dt.datetime) -> list[str]:
     here = machine_info()
     gpu = here.get("gpu")
     cmd = "python tools/bench/report.py" + (" --quick" if ctx.quick else "")
+    started = (ctx.manifest.get(REPORT_KEY) or {}).get("started")
     honest = (
         f"All timings come from a noisy {here.get('cores')}-core CPU machine shared with other "
         "work, with tiny models (0.16M and 3.4M parameters; ranks are processes over gloo): "
-        "single runs drift by 10-15%, so read the ratios within one run, not absolute times. "
+        "single runs drift by 10-15% when it is quiet and far more under load (the runs "
+        "table gives each tool's load average where recorded), so read the ratios within one "
+        "run, not absolute times. "
         "Throughput drops and the SPARe table are simulations (`mecefo-sim`), not training runs "
         "at scale."
     )
@@ -1049,6 +1316,7 @@ def _header(ctx: ReportContext, now: dt.datetime) -> list[str]:
         "",
         f"Generated by `{cmd}` on {now.isoformat(timespec='seconds')}"
         + (f" from report run `{ctx.run_id}`" if ctx.run_id else "")
+        + (f" (started {started})" if started else "")
         + f"; `--skip-run` rebuilds this file and the plots in `{_rel(ctx.png_dir)}/` from the "
         f"JSONs in `{_rel(ctx.json_dir)}/`. Each section names the machine and the command of its "
         "numbers, and the run when it is not this one; a JSON that no recorded run wrote is "
@@ -1073,7 +1341,7 @@ def _header(ctx: ReportContext, now: dt.datetime) -> list[str]:
     if any(e for _, e in runs):
         out += ["## Runs", ""]
         out += _table(
-            ["tool", "status", "run", "wall", "command"],
+            ["tool", "status", "run", "wall", "load (1 min, start / end)", "command"],
             [
                 [
                     t.name,
@@ -1082,6 +1350,7 @@ def _header(ctx: ReportContext, now: dt.datetime) -> list[str]:
                     if e.get("run_id") and e.get("run_id") == ctx.run_id
                     else f"`{e.get('run_id') or 'unknown'}`",
                     _f(e.get("wall_s"), ".1f", " s"),
+                    " / ".join(_f(x, ".1f") for x in e.get("loadavg_1m") or []) or "-",
                     f"`{e.get('command')}`",
                 ]
                 for t, e in runs
@@ -1180,7 +1449,11 @@ def main(argv=None) -> int:
         manifest_path.write_text(json.dumps(manifest, indent=2))
         print(f"ran {len(tools)} tools in {time.monotonic() - start:.0f} s")
     md_path = ROOT / args.md
-    build_report(out_dir, md_path, ROOT / args.png_dir, manifest, args.quick)
+    # a rebuild describes the run it reads, not the flags it was rebuilt with
+    quick = (
+        (manifest.get(REPORT_KEY) or {}).get("quick", args.quick) if args.skip_run else args.quick
+    )
+    build_report(out_dir, md_path, ROOT / args.png_dir, manifest, quick)
     print(f"wrote {_rel(md_path)} and plots in {args.png_dir}/")
     return 0
 

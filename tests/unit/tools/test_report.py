@@ -268,6 +268,7 @@ def test_runner_records_failure_and_success(tmp_path):
     entry = report.run_tool(ok, tmp_path, quick=True, timeout_s=30)
     assert entry["status"] == "ok" and json.loads((tmp_path / "z.json").read_text()) == {"rows": []}
     assert entry["wall_s"] > 0 and entry["command"].endswith("--out " + str(tmp_path / "z.json"))
+    assert len(entry["loadavg_1m"]) == 2  # the machine's load at start and end, for the reader
 
 
 def test_cli_skip_run_rebuilds_only_from_recorded_runs(tmp_path):
@@ -320,3 +321,139 @@ def test_hybrid_verdict_is_computed_not_claimed():
         "n = 4: 1.17x, above the target",
         "n = 8: 1.15x, meets it",
     ]
+
+
+# tools/bench/node_loss.py (trimmed): one round with a standby node, one without.
+NODE_LOSS = {
+    "args": {"nnodes": 2, "nproc": 2, "standby": 1, "steps": 120, "kill_at": 10, "rounds": 2},
+    "rounds": [
+        {"exit_code": 0, "killed": True, "detection_ms": 3250.0, "node_lost": True,
+         "full_strength_s": 5.4, "degraded_steps": 9, "final_replicas": 4,
+         "rejoin_bytes": 4000000, "steps_logged": 120},
+        {"exit_code": 0, "killed": True, "detection_ms": 3350.0, "node_lost": True,
+         "full_strength_s": 6.0, "degraded_steps": 11, "final_replicas": 4,
+         "rejoin_bytes": 4000000, "steps_logged": 120},
+    ],
+}  # fmt: skip
+NODE_LOSS_NOSPARE = {
+    "args": {**NODE_LOSS["args"], "standby": 0, "rounds": 1},
+    "rounds": [
+        {"exit_code": 0, "killed": True, "detection_ms": 3100.0, "node_lost": True,
+         "full_strength_s": None, "degraded_steps": 110, "final_replicas": 2,
+         "rejoin_bytes": 0, "steps_logged": 120},
+    ],
+}  # fmt: skip
+# tools/bench/control_plane.py (trimmed): one synthetic configuration, one real job.
+CONTROL_PLANE = {
+    "args": {"heartbeat_timeout_s": 3.0, "step_s": 2.0},
+    "synthetic": [
+        {"mode": "b", "ranks": 16384, "live_ranks": 512,
+         "calibration": {"protocol": {"server_us_per_request": 11.2}},
+         "coordinator": {"steady": {"hb_tick_s": {"p50": 0.145}, "hb_tick_cpu_s": {"p50": 0.063},
+                                    "requests_per_hb_tick": 10}},
+         "projected": {"offered_requests_per_s": {"total": 40960.0},
+                       "server_cores_needed": 0.4587},
+         "silent": {"detection_s": 3.25, "propagation": {"gen_s": 0.35, "record_s": 0.4}},
+         "exit": {"detection_s": 0.38, "propagation": {"gen_s": 0.21}},
+         "rejoin": {"rejoin_s": 0.64, "propagation": {"gen_s": 0.3}}},
+        {"mode": "a", "ranks": 16384,
+         "skipped_failures": "the coordinator completed 0 ticks in 5 s",
+         "projected": {"offered_requests_per_s": {"total": 671744.0}}},
+    ],
+}  # fmt: skip
+CONTROL_PLANE_REAL = {
+    "args": {"real_kill_step": 4},
+    "real": [
+        {"nproc": 8, "exit_code": 0, "first_step_s": 21.3, "detection_ms": 454.2,
+         "regroup_ms": 837.0, "rejoined": True},
+        {"nproc": 32, "skipped": "needs ~14 GB, 9.0 GB available"},
+    ],
+}  # fmt: skip
+# tools/bench/granularity.py (trimmed): one model, n = 4.
+GRANULARITY = {
+    "args": {"models": ["small"], "reps": 3},
+    "models": [
+        {"model": "small", "shape": "2 layers, d=128, s=128", "device": "cpu", "mbs": 4,
+         "microbatches": 8, "normal_step_s": 0.8, "cut_step_s": 1.1,
+         "slice_overhead_s": 0.0115, "slice_overhead_fraction": 0.115,
+         "rows": [
+             {"granularity": "microbatch", "n": 4, "tasks": 11, "slices": 0, "samples": 44,
+              "ratio": 1.378, "predicted_ratio": 1.375},
+             {"granularity": "sample", "n": 4, "tasks": 10, "slices": 2, "samples": 43,
+              "ratio": 1.347, "predicted_ratio": 1.344},
+         ]},
+    ],
+}  # fmt: skip
+ALL_SECTIONS = [
+    "Throughput drop under failures",
+    "Loss gap vs failure-free",
+    "Detection, regroup and recovery times",
+    "Node loss and standby nodes",
+    "Control plane at 16k ranks",
+    "Snapshot overhead and restore times",
+    "SPARe table (time to train at 600k GPUs)",
+    "Step time",
+    "Degraded-mode step time per rank",
+    "Takeover granularity per rank",
+]
+"""Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
+
+
+def test_node_loss_control_plane_and_granularity_sections(tmp_path):
+    md = _build(
+        tmp_path,
+        node_loss=NODE_LOSS,
+        node_loss_nospare=NODE_LOSS_NOSPARE,
+        control_plane=CONTROL_PLANE,
+        control_plane_real=CONTROL_PLANE_REAL,
+        granularity=GRANULARITY,
+    )
+    node = md.split("## Node loss and standby nodes", 1)[1].split("\n## ")[0]
+    assert "| with a standby node (2 round(s)) | without a standby node (1 round(s)) |" in node
+    assert "| detection of the node's ranks | 3.30 s | 3.10 s |" in node  # medians
+    assert "| failure -> full data-parallel width again | 5.7 s | never |" in node
+    assert "| steps run with degraded micro-batches | 10 | 110 |" in node
+    assert "| state sent to the replacement ranks | 4.0 MB | 0.0 MB |" in node
+    assert "| exit code per round | 0/0 | 0 |" in node
+    cp = md.split("## Control plane at 16k ranks", 1)[1].split("\n## ")[0]
+    assert "| b | 16,384 | 40,960 | 11.2 | 0.46 | 145 / 63 | 10 | 3.25 s | 0.38 s | 0.64 s | " \
+           "0.35 s | - |" in cp  # fmt: skip
+    assert "| a | 16,384 | 671,744 | - | - | - / - | - | - | - | - | - | the coordinator " \
+           "completed 0 ticks in 5 s |" in cp  # fmt: skip
+    assert "| 8 | 0 | 21.3 s | 454 ms | 837 ms | yes | - |" in cp
+    assert "| 32 | - | - | - | - | - | needs ~14 GB, 9.0 GB available |" in cp
+    gran = md.split("## Takeover granularity per rank", 1)[1].split("\n## ")[0]
+    assert "normal step 800.0 ms; fixed cost of a slice 11.50 ms = 12% of a micro-batch" in gran
+    assert "| 4 | 1.378x | 1.347x | 1.375 / 1.344 | 2 | +2.2% |" in gran
+
+
+def test_every_section_is_generated_and_reads_its_tools(tmp_path):
+    """Dropping a section, or a tool no section reads, fails here: with nothing measured, every
+    tool's "not measured" line stands inside a generated section, before the closing list."""
+    assert [title for title, _ in report.SECTIONS] == ALL_SECTIONS
+    manifest = {report.REPORT_KEY: {"run_id": "r1"}}
+    manifest.update({t.name: {"status": "failed", "reason": "boom"} for t in report.TOOLS})
+    md = _build(tmp_path, manifest=manifest)
+    body, closing = md.split("## Not measured", 1)
+    for title in ALL_SECTIONS:
+        assert f"\n## {title}\n" in body
+    for tool in report.TOOLS:
+        line = f"({tool.title}): failed: boom"
+        assert line in body and line in closing, tool.name
+    for name in ("node_loss", "node_loss_nospare", "control_plane", "control_plane_real",
+                 "granularity", "sim_llama3_16k_spares"):  # fmt: skip
+        assert name in {t.name for t in report.TOOLS}
+
+
+def test_skip_run_rebuild_describes_the_run_it_reads(tmp_path):
+    out = _write(tmp_path / "out", sim_mecefo_high_64=SIM)
+    manifest = {
+        report.REPORT_KEY: {"run_id": "r1", "started": "2026-01-01T00:00:00", "quick": True},
+        "sim_mecefo_high_64": _vouched(SIM),
+    }
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    argv = ["--skip-run", "--out-dir", str(out), "--md", str(tmp_path / "B.md")]
+    assert report.main([*argv, "--png-dir", str(tmp_path / "png")]) == 0
+    md = (tmp_path / "B.md").read_text()
+    assert "Generated by `python tools/bench/report.py --quick`" in md
+    assert "from report run `r1` (started 2026-01-01T00:00:00)" in md

@@ -5,6 +5,8 @@
 #   srun ... bash launch/slurm/node.sh NODE_DIR PYTHON [mecefo-launch flags] -- <mecefo-train args>
 # The node index is the task index (SLURM_PROCID of SLURM_NTASKS), not SLURM_NODEID, so that
 # several tasks on one machine act as several nodes (the CI's one-node Slurm does that).
+# Spare nodes: the last MECEFO_SPARE_NODES tasks (validated and exported by pretrain.sbatch) run
+# the agent with --standby; every agent gets --nnodes = the working nodes (tasks - spares).
 # Signals: Slurm delivers a signal for the step (srun forwarding USR1, scancel) to every process
 # of the task, the agent included, so this shell only keeps waiting for it (never forwards).
 set -euo pipefail
@@ -13,10 +15,16 @@ node_dir="$1"
 python="$2"
 shift 2
 
+working_nodes=$((${SLURM_NTASKS:?not inside a Slurm step} - ${MECEFO_SPARE_NODES:-0}))
+role=()
+if [ "${SLURM_PROCID:?not inside a Slurm step}" -ge "${working_nodes}" ]; then
+  role=(--standby) # a spare node: no rank until the coordinator gives it a lost node's
+fi
 agent_cmd=(
   "${python}" -m megatron_mecefo.failover.agent
-  --nnodes "${SLURM_NTASKS:?not inside a Slurm step}"
-  --node-rank "${SLURM_PROCID:?not inside a Slurm step}"
+  --nnodes "${working_nodes}"
+  --node-rank "${SLURM_PROCID}"
+  "${role[@]}"
   "$@"
 )
 echo "[node ${SLURM_PROCID}/${SLURM_NTASKS}] $(hostname) job ${SLURM_JOB_ID:-?}: ${agent_cmd[*]}"

@@ -16,11 +16,27 @@ launch's events begin (`failover.events_start`, a byte offset) and the last even
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
-COUNTED = (("failures", "failure"), ("rejoins", "rejoin"), ("steps_redone", "step_redone"))
+COUNTED = (
+    ("failures", "failure"),
+    ("rejoins", "rejoin"),
+    ("steps_redone", "step_redone"),
+    ("nodes_lost", "node_lost"),
+    ("nodes_replaced", "node_replaced"),
+)
 """Summary counters (failover.<key>) that are the number of events of a type."""
+
+LATENCIES = (
+    ("detection_ms", "detection"),
+    ("regroup_ms", "regroup"),
+    ("full_strength_ms", "node_replaced"),
+)
+"""Summary lists (failover.<key>) of the `latency_ms` of each event of a type, in event order.
+`full_strength_ms`: from a node's failure until every rank of it is back on a standby
+(`failover/spares.py`); its max and median are `full_strength_ms_max` / `_median`."""
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -69,12 +85,15 @@ def event_counts(events: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {
         key: sum(1 for e in events if e.get("type") == kind) for key, kind in COUNTED
     }
-    for key, kind in (("detection_ms", "detection"), ("regroup_ms", "regroup")):
+    for key, kind in LATENCIES:
         out[key] = [
             round(e["latency_ms"], 1)
             for e in events
             if e.get("type") == kind and e.get("latency_ms") is not None
         ]
+    full = out["full_strength_ms"]
+    out["full_strength_ms_max"] = max(full) if full else None
+    out["full_strength_ms_median"] = round(statistics.median(full), 1) if full else None
     return out
 
 
@@ -166,11 +185,15 @@ def check_summary(run_dir: Path) -> list[str]:
     for key, _ in COUNTED:
         if fo.get(key) != expected[key]:
             out.append(f"failover.{key} = {fo.get(key)} but events.jsonl has {expected[key]}")
-    if len(fo.get("detection_ms") or []) != len(expected["detection_ms"]):
-        out.append(
-            f"failover.detection_ms has {len(fo.get('detection_ms') or [])} latencies but "
-            f"events.jsonl has {len(expected['detection_ms'])} detections"
-        )
+    for key, kind in (("detection_ms", "detection"), ("full_strength_ms", "node_replaced")):
+        if len(fo.get(key) or []) != len(expected[key]):
+            out.append(
+                f"failover.{key} has {len(fo.get(key) or [])} latencies but "
+                f"events.jsonl has {len(expected[key])} {kind} events"
+            )
+    for key in ("full_strength_ms_max", "full_strength_ms_median"):
+        if fo.get(key) != expected[key]:
+            out.append(f"failover.{key} = {fo.get(key)} but events.jsonl says {expected[key]}")
     degraded = sum(1 for r in rows if r.get("job_degraded"))
     if fo.get("steps_degraded") != degraded:
         out.append(

@@ -3,7 +3,10 @@ one-node cluster on localhost (`tests/cluster/slurm_local.sh`), and each test su
 with `sbatch` as a user would: 2 tasks = 2 "nodes" (the script ranks nodes by SLURM_PROCID), the
 tiny CPU config. Checked: a clean job completes and learns; a rank SIGKILLed mid-run is restarted
 and rejoins while the job completes; a lost node (its agent and ranks SIGKILLed) does not stop the
-other node (srun --kill-on-bad-exit=0 against a cluster with KillOnBadExit=1); a SIGUSR1 stop
+other node (srun --kill-on-bad-exit=0 against a cluster with KillOnBadExit=1), and with a spare
+node (MECEFO_SPARE_NODES=1, a third task) the spare takes over the lost node's rank and the job
+ends at full data-parallel width, while a spare count that leaves no working node is refused
+before anything starts; a SIGUSR1 stop
 saves a final checkpoint, the job requeues itself and the second run resumes from that step;
 the pyxis/enroot recipe, with a fake pyxis (tests/cluster/fake_pyxis: the tasks run in a private
 mount namespace where the repository exists only at the container path and host folders are
@@ -221,6 +224,34 @@ def submit(
     return Job(cluster, res.stdout.strip().split(";")[0], out, run_dir, log_dir)
 
 
+def kill_node(job: Job, node: int) -> None:
+    """SIGKILL node `node`'s agent and everything it started, at once: what a node crash looks
+    like to the rest of the job."""
+    import psutil
+
+    agent = psutil.Process(int((job.log_dir / "try0" / f"node{node}.pid").read_text()))
+    for proc in [*agent.children(recursive=True), agent]:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def job_processes(job: Job) -> list[str]:
+    """Processes still running from a job, '<pid> <command>': every process of it inherits the
+    job's MECEFO_LOG_DIR (unique per test; job ids repeat across test clusters)."""
+    import psutil
+
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if proc.environ().get("MECEFO_LOG_DIR") == str(job.log_dir):
+                out.append(f"{proc.pid} {' '.join(proc.info['cmdline'] or [])}")
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
 def assert_completed(job: Job, info: dict[str, str], steps: int, restarts: int = 0) -> None:
     assert info["JobState"] == "COMPLETED", f"{info['JobState']}\n{job.explain()}"
     assert info["ExitCode"] == "0:0", f"{info['ExitCode']}\n{job.explain()}"
@@ -263,22 +294,69 @@ def test_lost_node_does_not_stop_the_other(slurm, tmp_path, demo_data_dir):
     """SIGKILL node 1's agent and its ranks (what a node crash looks like to the rest): srun must
     keep node 0's task (--kill-on-bad-exit=0 on a cluster with KillOnBadExit=1), the survivor
     finishes the run alone, and the job completes."""
-    import psutil
-
     steps = 30
     job = submit(slurm, tmp_path, demo_data_dir, steps=steps, env=NO_SPARES)
     job.wait_for_step(5)
-    agent = psutil.Process(int((job.log_dir / "try0" / "node1.pid").read_text()))
-    for proc in [*agent.children(recursive=True), agent]:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
+    kill_node(job, 1)
     info = job.wait()
     assert_completed(job, info, steps)
     assert job.exit_codes() == ["0", "137"], job.explain()  # node 1: agent SIGKILLed
     assert job.metrics()[-1]["replicas_alive"] == 1, job.metrics()[-1]
     assert "failure" in [e["type"] for e in job.events()]
+
+
+def test_spare_node_replaces_a_lost_node(slurm, tmp_path, demo_data_dir):
+    """3 tasks, MECEFO_SPARE_NODES=1: nodes 0 and 1 train (1 rank each), task 2 is a standby.
+    Node 1's agent and rank are SIGKILLed mid-run: the coordinator declares node 1 lost (its
+    agent silent 5 s, the local profile), gives it to the standby, whose rank 1 rejoins from
+    rank 0, and the job ends at full data-parallel width, every step logged once, COMPLETED.
+    From the kill to full width takes ~6 s of wall time (3 s detection, 5 s agent timeout, the
+    standby's start), and the survivor trains on meanwhile: ~40 degraded steps on a quiet machine,
+    so 120 steps leave a margin of full-width steps at the end."""
+    steps = 120
+    env = {**NO_SPARES, "MECEFO_SPARE_NODES": "1"}
+    job = submit(slurm, tmp_path, demo_data_dir, steps=steps, nodes=3, env=env)
+    job.wait_for_step(5)
+    kill_node(job, 1)
+    info = job.wait()
+    assert_completed(job, info, steps)  # COMPLETED, exit 0:0, steps 0..59 once, summary.json
+    assert job.exit_codes() == ["0", "137", "0"], job.explain()  # node 1: SIGKILLed agent
+    assert "+ 1 spare nodes" in job.output() and "(the last 1: spare nodes)" in job.output()
+    assert "--nnodes 2 --node-rank 2 --standby" in job.node_log(2), job.explain()
+    assert "--standby" not in job.node_log(0) + job.node_log(1), job.explain()
+    assert "taking over node 1: ranks [1]" in job.node_log(2), job.explain()
+    assert "[agent 1] done (exit 0)" in job.node_log(2), job.explain()  # the spare ran node 1
+    events = job.events()
+    lost = [e for e in events if e["type"] == "node_lost"]
+    replaced = [e for e in events if e["type"] == "node_replaced"]
+    assert [e["ranks"] for e in lost] == [[1]] and [e["ranks"] for e in replaced] == [[1]], events
+    assert 0 < replaced[0]["latency_ms"] < 60_000, replaced
+    rejoin = [e for e in events if e["type"] == "rejoin" and e["step"] >= replaced[0]["step"]]
+    assert [e["ranks"] for e in rejoin] == [[1]], events  # rank 1, run by the spare
+    alive = {m["step"]: m["replicas_alive"] for m in job.metrics()}
+    assert 1 in alive.values(), alive  # node 1 was really gone for a while
+    after = [n for step, n in alive.items() if step >= rejoin[0]["step"]]
+    assert len(after) >= 5 and set(after) == {2}, (rejoin, alive)  # full width from the rejoin on
+    fo = json.loads((job.run_dir / "summary.json").read_text())["failover"]
+    assert (fo["nodes_lost"], fo["nodes_replaced"], fo["samples_lost"]) == (1, 1, 0), fo
+    assert fo["full_strength_ms"] == [round(replaced[0]["latency_ms"], 1)], fo
+    from megatron_mecefo.metrics.summary import check_summary
+
+    assert check_summary(job.run_dir) == [], job.explain()
+    deadline = time.monotonic() + 15
+    while job_processes(job) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert job_processes(job) == []  # nothing of the job left running
+
+
+@pytest.mark.parametrize("spares", ["2", "-1"])
+def test_spare_nodes_that_leave_no_working_node_are_refused(slurm, tmp_path, demo_data_dir, spares):
+    env = {"MECEFO_SPARE_NODES": spares}
+    job = submit(slurm, tmp_path, demo_data_dir, steps=5, env=env)
+    info = job.wait(timeout_s=60)
+    assert info["ExitCode"] == "2:0", f"{info['ExitCode']}\n{job.explain()}"
+    assert f"error: MECEFO_SPARE_NODES={spares}: need a whole number >= 0" in job.output()
+    assert not job.run_dir.exists() and not (job.log_dir / "try0").exists()
 
 
 @pytest.mark.timeout(480)  # two job starts

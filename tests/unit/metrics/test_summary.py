@@ -123,6 +123,65 @@ def test_check_summary_reads_only_this_launchs_events(tmp_path):
     assert any("failover.failures = 1 but events.jsonl has 2" in p for p in check_summary(tmp_path))
 
 
+def test_node_losses_and_replacements_are_counted_with_time_to_full_strength(tmp_path):
+    """Spare nodes (failover/spares.py): `node_lost` and `node_replaced` events are counted, and
+    each replacement's `latency_ms` (failure -> every rank back) gives full_strength_ms and its
+    max and median; check_summary names a summary that disagrees with events.jsonl."""
+    _rows(tmp_path / "metrics.jsonl", range(10))
+    events = [
+        {"type": "node_lost", "ranks": [2, 3], "epoch_s": 1.0},
+        {"type": "failure", "dp_rank": 2},
+        {"type": "node_replaced", "ranks": [2, 3], "latency_ms": 5412.34},
+        {"type": "node_lost", "ranks": [4, 5], "epoch_s": 9.0},
+        {"type": "node_lost", "ranks": [6, 7], "epoch_s": 9.5},  # no standby left for this one
+        {"type": "node_replaced", "ranks": [4, 5], "latency_ms": 7000.0},
+        {"type": "node_replaced", "ranks": [0, 1], "latency_ms": 6100.0},
+        {"type": "node_lost", "ranks": [0, 1], "epoch_s": 20.0},  # still lost at the end
+    ]
+    _events(tmp_path / "events.jsonl", events)
+    summary = job_wide(
+        {"failover": {"samples_lost": 0}},
+        tmp_path / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=8,
+        events=events,
+        events_seq=len(events),
+    )
+    fo = summary["failover"]
+    assert (fo["nodes_lost"], fo["nodes_replaced"], fo["failures"]) == (4, 3, 1), fo
+    assert fo["full_strength_ms"] == [5412.3, 7000.0, 6100.0], fo
+    assert (fo["full_strength_ms_max"], fo["full_strength_ms_median"]) == (7000.0, 6100.0), fo
+    assert fo["detection_ms"] == []  # node_replaced's latency is not a detection's
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert check_summary(tmp_path) == []
+    for key, value, problem in (
+        ("nodes_lost", 3, "failover.nodes_lost = 3 but events.jsonl has 4"),
+        ("nodes_replaced", 0, "failover.nodes_replaced = 0 but events.jsonl has 3"),
+        ("full_strength_ms", [5412.3], "failover.full_strength_ms has 1 latencies but"),
+        ("full_strength_ms_max", 6100.0, "failover.full_strength_ms_max = 6100.0 but"),
+        ("full_strength_ms_median", None, "failover.full_strength_ms_median = None but"),
+    ):
+        bad = {**summary, "failover": {**fo, key: value}}
+        (tmp_path / "summary.json").write_text(json.dumps(bad))
+        problems = check_summary(tmp_path)
+        assert len(problems) == 1 and problem in problems[0], (key, problems)
+
+
+def test_a_job_without_node_events_counts_zero_and_no_time_to_full_strength(tmp_path):
+    _rows(tmp_path / "metrics.jsonl", range(3))
+    events = [{"type": "failure"}, {"type": "detection", "latency_ms": 12.0}]
+    fo = job_wide(
+        {"failover": {"samples_lost": 0}},
+        tmp_path / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=8,
+        events=events,
+        events_seq=2,
+    )["failover"]
+    assert (fo["nodes_lost"], fo["nodes_replaced"], fo["full_strength_ms"]) == (0, 0, [])
+    assert fo["full_strength_ms_max"] is None and fo["full_strength_ms_median"] is None
+
+
 def test_posted_events_reads_the_store_not_the_file():
     """The leader counts the posted events from the store itself: it never depends on how far the
     coordinator has copied them to events.jsonl, and waits (bounded) for one whose counter was

@@ -56,8 +56,9 @@ def test_lost_node_is_replaced_by_a_standby(tmp_path):
     try:
         assert_recovered(res, steps=steps, replicas=4, world=4, min_failures=2, min_rejoins=2)
     except AssertionError as exc:  # the audit's known gap: a rank killed between a step's commit
-        gap = {(s, r) for s, r, _ in eval(str(exc).splitlines()[0])}  # and its own audit line
-        assert len(gap) == 1 and next(iter(gap))[1] in (2, 3), exc
+        gap = {(s, r) for s, r, _ in eval(str(exc).splitlines()[0])}  # and its own audit line;
+        # the node's ranks die together, so one or both of them may miss the same step's line
+        assert gap and {r for _, r in gap} <= {2, 3} and len({s for s, _ in gap}) == 1, exc
         step = next(iter(gap))[0]
         assert res.metrics()[step]["global_microbatches"] == 8, exc  # the step was whole
     events = res.events()

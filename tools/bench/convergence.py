@@ -120,8 +120,35 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-microbatches", type=int, default=32)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--basis-error", action="store_true", help="measure the low-rank basis error")
+    p.add_argument(
+        "--grad-error",
+        action="store_true",
+        help="the accuracy-cost proxy: after --steps failure-free steps, the relative squared "
+        "error of the reduced step gradient when the neighbour plan (replica 1 dead) runs the "
+        "covering rank's micro-batches degraded with each technique set, over --grad-batches "
+        "unseen batches",
+    )
+    p.add_argument("--grad-batches", type=int, default=8, help="--grad-error: batches averaged")
+    p.add_argument(
+        "--proxy-costs",
+        nargs="+",
+        default=None,
+        metavar="GRAD_JSON",
+        help="with --accuracy-costs OUT and --accuracy-table ANCHOR (a table measured by "
+        "convergence runs): write the table whose costs are the --grad-error proxy of each set "
+        "(mean over the given runs) scaled so that the anchor's best-measured set keeps its "
+        "cost, with the proxy's prediction for every measured set beside its convergence 95%% CI",
+    )
     p.add_argument("--rank", type=float, default=0.125, help="basis-error rank (fraction)")
     p.add_argument("--quick", action="store_true", help="demo corpus, 60 steps, 2 configs")
+    p.add_argument(
+        "--table",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="print a markdown table (mean, sd, 95%% CI of the perplexity gap over seeds; step "
+        "ratios) from the JSONs of earlier runs, then exit",
+    )
     p.add_argument("--demo-dir", default=".cache/demo_data")
     p.add_argument("--corpus-dir", default=".cache/fortunes_data")
     p.add_argument("--kjv-dir", default=".cache/kjv_data")
@@ -301,6 +328,7 @@ def train(args, ctx, scenario, policy, overrides, cost, accuracy=None) -> dict:
     mec = engine.cfg.mecefo
     n, m = args.replicas, args.microbatches
     curve, degraded_steps, slowest, degraded_mbe = [], 0, None, 0.0
+    failure_times = []  # predicted slowest-rank time of each step with a dead replica
     start = time.perf_counter()
     for step in range(args.steps):
         dead = dead_at(scenario, step, args.steps)
@@ -323,6 +351,7 @@ def train(args, ctx, scenario, policy, overrides, cost, accuracy=None) -> dict:
         if dead:
             times = plan_step_times(plans, cost)
             worst = max(times, key=times.get)
+            failure_times.append(times[worst])
             if slowest is None or times[worst] > slowest[1]:
                 slowest = (plans[worst], times[worst])
             degraded_steps += any(p.num_degraded for p in plans.values())
@@ -344,6 +373,7 @@ def train(args, ctx, scenario, policy, overrides, cost, accuracy=None) -> dict:
         "val_loss": val,
         "slowest_plan": slowest[0] if slowest else None,
         "slowest_predicted_s": slowest[1] if slowest else None,
+        "mean_failure_step_s": sum(failure_times) / len(failure_times) if failure_times else None,
         "techniques": mec.techniques.key,
         "steps_with_degraded": degraded_steps,
         # mean share of the global batch that ran degraded, per step of the run
@@ -484,6 +514,89 @@ def _accumulate_grads(engine, plan) -> None:
         engine.controller.set_degraded(False)
 
 
+def grad_error(args, ctx) -> dict:
+    """Relative squared error ||g_T - g||^2 / ||g||^2 of the group's reduced gradient g (all
+    tasks exact) when the neighbour plan's degraded tasks use technique set T (with its masked
+    averaging), on batches the training never saw; per set: mean and sd over batches."""
+    from megatron_mecefo.plan import (
+        CostModel,
+        MicroBatchTask,
+        candidate_techniques,
+        make_step_plans,
+    )
+
+    run = train(args, ctx, None, "spread", [], None)
+    engine = run["engine"]
+    print(f"  trained {args.steps} exact steps: val loss {run['val_loss']:.4f}", flush=True)
+    n, m = args.replicas, args.microbatches
+    plans = make_step_plans(
+        alive=[r for r in range(n) if r != 1],
+        num_replicas=n,
+        num_microbatches=m,
+        policy="neighbor",
+        cost=CostModel(),
+    )
+    tasks = union_plan(plans).tasks
+    exact = tuple(MicroBatchTask(t.source_dp_rank, t.micro_index) for t in tasks)
+    sets = candidate_techniques(engine.cfg.mecefo.techniques)
+    errors: dict[str, list[float]] = {t.key: [] for t in sets}
+    for k in range(args.grad_batches):
+        step = args.steps + k  # past the trained steps: unseen data
+        reference = _reduced_grad(engine, exact, n, m, step)
+        for t in sets:
+            plan_tasks = tuple(
+                MicroBatchTask(x.source_dp_rank, x.micro_index, True, t) if x.degraded else x
+                for x in tasks
+            )
+            computing = sum(not x.skips_attention for x in plan_tasks)
+            masked = m / computing if t.skip_attention_backward and computing else None
+            g = _reduced_grad(engine, plan_tasks, n, m, step, masked)
+            errors[t.key].append(float((g - reference).pow(2).sum() / reference.pow(2).sum()))
+    share = sum(x.degraded for x in tasks) / (n * m)
+    out = {"degraded_share": share, "val_loss": run["val_loss"], "sets": {}}
+    for key, values in errors.items():
+        out["sets"][key] = _stats(values)
+        print(f"  {key:<24} relative squared gradient error {_stats(values)['mean']:.4f}")
+    return out
+
+
+def _reduced_grad(engine, tasks, n, m, step, masked_scale=None):
+    """The SUM-reduced gradient of `tasks` with the plan scaling (ordinary 1/n, masked
+    parameters `masked_scale`), flattened; no optimizer step."""
+    import functools
+
+    import torch
+
+    from megatron_mecefo.mcore import stack
+    from megatron_mecefo.plan import RankStepPlan
+
+    engine.ddp.zero_grad_buffer()
+    plan = RankStepPlan(tasks=tuple(tasks), num_replicas=n, microbatches_per_replica=m)
+    sampler = engine._sampler_for(plan)  # serves all n replicas' micro-batches
+    fwd = functools.partial(engine._forward_step, sampler=sampler, step=step, loss_scale=1.0 / m)
+    saved = engine.tcfg.finalize_model_grads_func
+    engine.tcfg.finalize_model_grads_func = None
+    try:
+        stack.forward_backward(
+            engine.ddp,
+            fwd,
+            iter(tasks),
+            num_microbatches=len(tasks),
+            seq_length=engine.cfg.model.seq_length,
+            micro_batch_size=engine.cfg.training.micro_batch_size,
+        )
+    finally:
+        engine.tcfg.finalize_model_grads_func = saved
+        engine.controller.set_degraded(False)
+    parts = []
+    for name, param in engine.ddp.module.named_parameters():
+        scale = 1.0 / n
+        if masked_scale is not None and engine.controller.is_masked_param(name):
+            scale = masked_scale
+        parts.append(param.main_grad.detach().double().flatten() * scale)
+    return torch.cat(parts)
+
+
 def summarize_basis(rows: list[dict]) -> dict:
     keys = ["weight_svd", "activation", "random", "best (SVD of G)"]
     out = {}
@@ -494,7 +607,104 @@ def summarize_basis(rows: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- main
+def markdown_table(paths: list[str]) -> str:
+    """One row per (run, scenario, config) of the given convergence JSONs."""
+    lines = [
+        "| corpus | layers | M | scenario | config | seeds | ppl gap % (mean +- sd) | 95% CI "
+        "| beyond noise | slowest step x (pred.) | mean step x over failure steps (pred.) "
+        "| degraded share |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for path in paths:
+        report = json.loads(Path(path).read_text())
+        a = report["args"]
+        for r in summarize(report["rows"]):
+            g, (lo, hi) = r["gap_ppl_pct"], r["ci95"]
+            lines.append(
+                f"| {a['corpus']} | {a.get('num_layers') or 2} | {a['microbatches']} "
+                f"| {r['scenario']} | {r['config']} | {g['n']} "
+                f"| {g['mean']:+.2f} +- {g['std']:.2f} "
+                f"| [{lo:+.2f}, {hi:+.2f}] | {'yes' if r['beyond_noise'] else 'no'} "
+                f"| {r['predicted_step_ratio']['mean']:.2f} "
+                f"| {r['mean_predicted_step_ratio']['mean']:.2f} "
+                f"| {100 * r['degraded_fraction']['mean']:.1f}% |"
+            )
+    return "\n".join(lines)
+
+
+def write_proxy_costs(grad_paths: list[str], anchor_path: str, out: str, command: str) -> dict:
+    """The planner's table from the gradient-error proxy, anchored to convergence runs."""
+    per_set: dict[str, list[float]] = {}
+    for path in grad_paths:
+        for key, st in json.loads(Path(path).read_text())["grad_error"]["sets"].items():
+            per_set.setdefault(key, []).append(st["mean"])
+    anchor = json.loads(Path(anchor_path).read_text())
+    measured = anchor["costs"]
+    # the anchor set: measured by convergence with the smallest relative spread
+    key = min(
+        (k for k in measured if k in per_set and measured[k]["mean"] > 0),
+        key=lambda k: measured[k]["std"] / measured[k]["mean"],
+    )
+    proxy = {k: _stats(v) for k, v in per_set.items()}
+    alpha = measured[key]["mean"] / proxy[key]["mean"]
+    validation = {}
+    for k, m in measured.items():
+        if k not in proxy:
+            continue
+        n = m.get("n", 1)
+        half = _T95.get(n - 1, 1.96) * m["std"] / math.sqrt(n) if n > 1 else math.inf
+        lo, hi = m.get("raw_mean", m["mean"]) - half, m.get("raw_mean", m["mean"]) + half
+        predicted = alpha * proxy[k]["mean"]
+        validation[k] = {
+            "proxy_predicted": predicted,
+            "convergence_mean": m.get("raw_mean", m["mean"]),
+            "convergence_ci95": [lo, hi],
+            "within_ci": lo <= predicted <= hi,
+        }
+    table = {
+        "unit": anchor["unit"],
+        "costs": {k: alpha * v["mean"] for k, v in sorted(proxy.items())},
+        "method": "gradient-error proxy (relative squared error of the reduced step gradient, "
+        "neighbour plan, replica 1 dead) x alpha; alpha makes the proxy equal the convergence "
+        f"cost of {key!r}, the set the convergence runs measured most precisely",
+        "alpha": alpha,
+        "anchor_set": key,
+        "proxy": {k: {**v, "per_run": per_set[k]} for k, v in proxy.items()},
+        "validation": validation,
+        "convergence": measured,
+        "measured": {
+            "command": command,
+            "grad_error_runs": grad_paths,
+            "anchor": anchor.get("measured"),
+        },
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(table, indent=2) + "\n")
+    print(f"wrote {out} (alpha {alpha:.2f}, anchor {key}):")
+    for k, v in table["costs"].items():
+        val = validation.get(k)
+        extra = (
+            f"; convergence {val['convergence_mean']:+.2f}, 95% CI "
+            f"[{val['convergence_ci95'][0]:+.2f}, {val['convergence_ci95'][1]:+.2f}]"
+            if val
+            else ""
+        )
+        print(f"  {k:<16} {v:7.2f} (proxy {proxy[k]['mean']:.4f}){extra}")
+    return table
+
+
 def main() -> int:
+    if "--proxy-costs" in sys.argv:
+        args = parse_args()
+        if not (args.accuracy_costs and args.accuracy_table):
+            raise SystemExit("error: --proxy-costs needs --accuracy-costs OUT and --accuracy-table")
+        command = "python tools/bench/convergence.py " + " ".join(sys.argv[1:])
+        write_proxy_costs(args.proxy_costs, args.accuracy_table, args.accuracy_costs, command)
+        return 0
+    if "--table" in sys.argv:
+        args = parse_args()
+        print(markdown_table(args.table))
+        return 0
     args = parse_args()
     import torch
 
@@ -517,6 +727,10 @@ def main() -> int:
         print(f"\nrelative FFN weight-gradient error at r = {args.rank} of the input dim:")
         for linear, vals in report["basis_error"]["mean"].items():
             print(f"  {linear:<4} " + "  ".join(f"{k} {v:.3f}" for k, v in vals.items()))
+        return _write(report, args.out)
+    if args.grad_error:
+        args.seed = args.seeds[0]
+        report["grad_error"] = grad_error(args, ctx)
         return _write(report, args.out)
     accuracy = load_accuracy_costs(args.accuracy_table or None)
     report["accuracy_table"] = {"source": accuracy.source, "costs": dict(accuracy.costs)}
@@ -584,13 +798,16 @@ def _row(args, run, base, scenario, name, normal_plan, normal_s, seed) -> dict:
         },
         "step_time_ratio": t_slow / t_normal,
         "predicted_step_ratio": run["slowest_predicted_s"] / normal_s,
+        # time cost of the failure: mean over the steps with a dead replica
+        "mean_predicted_step_ratio": run["mean_failure_step_s"] / normal_s,
         "loss_curve": run["loss_curve"],
     }
     print(
         f"  val {row['val_loss']:.4f} (failure-free {base['val_loss']:.4f}): gap "
         f"{row['gap_loss_pct']:+.2f}% loss, {row['gap_ppl_pct']:+.2f}% ppl; slowest rank "
         f"{slow.microbatch_equivalents:.2f} mb ({slow.num_degraded} degraded) "
-        f"{row['step_time_ratio']:.2f}x measured, {row['predicted_step_ratio']:.2f}x predicted; "
+        f"{row['step_time_ratio']:.2f}x measured, {row['predicted_step_ratio']:.2f}x predicted "
+        f"(mean over failure steps {row['mean_predicted_step_ratio']:.2f}x); "
         f"{100 * row['degraded_fraction']:.1f}% of the work degraded",
         flush=True,
     )
@@ -626,12 +843,17 @@ def summarize(rows: list[dict]) -> list[dict]:
             {
                 "scenario": scenario,
                 "config": config,
-                "techniques": rs[0]["techniques"],
+                "techniques": rs[0].get("techniques"),
                 "gap_ppl_pct": gap,
                 "ci95": [gap["mean"] - half, gap["mean"] + half],
                 "beyond_noise": abs(gap["mean"]) > half,
                 "step_time_ratio": _stats([r["step_time_ratio"] for r in rs]),
-                "predicted_step_ratio": _stats([r["predicted_step_ratio"] for r in rs]),
+                "predicted_step_ratio": _stats(
+                    [r.get("predicted_step_ratio", math.nan) for r in rs]
+                ),
+                "mean_predicted_step_ratio": _stats(
+                    [r.get("mean_predicted_step_ratio", math.nan) for r in rs]
+                ),
                 "degraded_fraction": _stats([r["degraded_fraction"] for r in rs]),
             }
         )
@@ -698,7 +920,7 @@ def print_table(report: dict, args) -> None:
     )
     print(
         f"{'scenario':<10}{'config':<20}{'ppl gap % (mean +- sd)':>24}{'95% CI':>18}"
-        f"{'step x meas':>12}{'step x pred':>12}{'degraded':>10}"
+        f"{'step x meas':>12}{'step x pred':>12}{'mean x':>8}{'degraded':>10}"
     )
     for r in report["summary"]:
         g, (lo, hi) = r["gap_ppl_pct"], r["ci95"]
@@ -706,6 +928,7 @@ def print_table(report: dict, args) -> None:
             f"{r['scenario']:<10}{r['config']:<20}{g['mean']:>+14.2f} +- {g['std']:<6.2f}"
             f"{f'[{lo:+.2f}, {hi:+.2f}]':>18}"
             f"{r['step_time_ratio']['mean']:>12.2f}{r['predicted_step_ratio']['mean']:>12.2f}"
+            f"{r['mean_predicted_step_ratio']['mean']:>8.2f}"
             f"{100 * r['degraded_fraction']['mean']:>9.1f}%"
         )
 

@@ -518,12 +518,7 @@ def grad_error(args, ctx) -> dict:
     """Relative squared error ||g_T - g||^2 / ||g||^2 of the group's reduced gradient g (all
     tasks exact) when the neighbour plan's degraded tasks use technique set T (with its masked
     averaging), on batches the training never saw; per set: mean and sd over batches."""
-    from megatron_mecefo.plan import (
-        CostModel,
-        MicroBatchTask,
-        candidate_techniques,
-        make_step_plans,
-    )
+    from megatron_mecefo.plan import CostModel, candidate_techniques, make_step_plans
 
     run = train(args, ctx, None, "spread", [], None)
     engine = run["engine"]
@@ -537,8 +532,28 @@ def grad_error(args, ctx) -> dict:
         cost=CostModel(),
     )
     tasks = union_plan(plans).tasks
-    exact = tuple(MicroBatchTask(t.source_dp_rank, t.micro_index) for t in tasks)
     sets = candidate_techniques(engine.cfg.mecefo.techniques)
+    errors = _set_errors(args, engine, tasks, sets)
+    for spec in args.skip_layers:  # the attention skip alone, in a subset of the layers
+        other = build(args, ctx, [f"mecefo.skip_attention_layers={spec}"])
+        other.ddp.module.load_state_dict(engine.ddp.module.state_dict())  # the trained weights
+        skip = [t for t in sets if t.names == ("skip_attention_backward",)]
+        errors[f"skip@{spec}"] = _set_errors(args, other, tasks, skip)["skip"]
+        del other
+    share = sum(x.degraded for x in tasks) / (n * m)
+    out = {"degraded_share": share, "val_loss": run["val_loss"], "sets": {}}
+    for key, values in errors.items():
+        out["sets"][key] = _stats(values)
+        print(f"  {key:<24} relative squared gradient error {_stats(values)['mean']:.4f}")
+    return out
+
+
+def _set_errors(args, engine, tasks, sets) -> dict[str, list[float]]:
+    """Per technique set, the relative squared gradient error on each unseen batch."""
+    from megatron_mecefo.plan import MicroBatchTask
+
+    n, m = args.replicas, args.microbatches
+    exact = tuple(MicroBatchTask(t.source_dp_rank, t.micro_index) for t in tasks)
     errors: dict[str, list[float]] = {t.key: [] for t in sets}
     for k in range(args.grad_batches):
         step = args.steps + k  # past the trained steps: unseen data
@@ -552,12 +567,7 @@ def grad_error(args, ctx) -> dict:
             masked = m / computing if t.skip_attention_backward and computing else None
             g = _reduced_grad(engine, plan_tasks, n, m, step, masked)
             errors[t.key].append(float((g - reference).pow(2).sum() / reference.pow(2).sum()))
-    share = sum(x.degraded for x in tasks) / (n * m)
-    out = {"degraded_share": share, "val_loss": run["val_loss"], "sets": {}}
-    for key, values in errors.items():
-        out["sets"][key] = _stats(values)
-        print(f"  {key:<24} relative squared gradient error {_stats(values)['mean']:.4f}")
-    return out
+    return errors
 
 
 def _reduced_grad(engine, tasks, n, m, step, masked_scale=None):
@@ -607,6 +617,10 @@ def summarize_basis(rows: list[dict]) -> dict:
 
 
 # ---------------------------------------------------------------------------------- main
+def _ratio(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2f}"
+
+
 def markdown_table(paths: list[str]) -> str:
     """One row per (run, scenario, config) of the given convergence JSONs."""
     lines = [
@@ -625,8 +639,8 @@ def markdown_table(paths: list[str]) -> str:
                 f"| {r['scenario']} | {r['config']} | {g['n']} "
                 f"| {g['mean']:+.2f} +- {g['std']:.2f} "
                 f"| [{lo:+.2f}, {hi:+.2f}] | {'yes' if r['beyond_noise'] else 'no'} "
-                f"| {r['predicted_step_ratio']['mean']:.2f} "
-                f"| {r['mean_predicted_step_ratio']['mean']:.2f} "
+                f"| {_ratio(r['predicted_step_ratio']['mean'])} "
+                f"| {_ratio(r['mean_predicted_step_ratio']['mean'])} "
                 f"| {100 * r['degraded_fraction']['mean']:.1f}% |"
             )
     return "\n".join(lines)

@@ -1009,6 +1009,67 @@ def hybrid_verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
+STUDY_DIR = ROOT / "docs" / "bench" / "convergence"
+"""Multi-seed convergence studies and the accuracy-cost runs: hours of CPU each, so they are run
+apart from the report and committed; the section names every run's command and date."""
+
+
+def section_convergence_study(ctx: ReportContext) -> list[str]:
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import convergence
+
+    studies = sorted(STUDY_DIR.glob("study_*.json"))
+    costs_path = ROOT / "megatron_mecefo" / "plan" / "accuracy_costs.json"
+    if not studies:
+        return [f"> not measured: no study JSON in {_rel(STUDY_DIR)}", ""]
+    out = [
+        "**From other runs than this report's** (each is hours of CPU on this machine; the "
+        f"JSONs are committed in `{_rel(STUDY_DIR)}`). Gap = final validation perplexity vs the "
+        "failure-free run of the same seed (same initialisation and data order), mean +- sd over "
+        "seeds, 95% CI by Student t; beyond noise = the CI excludes 0. Step x: the slowest "
+        "rank's predicted step over a normal step (cost model calibrated in the run), the "
+        "largest over the run and the mean over steps with a dead replica. `tiny` (d 64) with "
+        "2 or 8 layers, n = 4 replicas, micro-batch 8 x 64 tokens; moderate = 1 of 4 dead for "
+        "25% of the steps, harsh = 1-2 of 4 dead for 75%.",
+        "",
+        convergence.markdown_table([str(p) for p in studies]),
+        "",
+    ]
+    for path in studies:
+        report = json.loads(path.read_text())
+        out.append(f"- `{path.name}`: `{report.get('command', '?')}` ({report.get('date', '?')})")
+    table = json.loads(costs_path.read_text())
+    out += [
+        "",
+        "**Accuracy costs the planner uses** (`megatron_mecefo/plan/accuracy_costs.json`, "
+        f"{table.get('method', 'convergence runs')}; unit: {table.get('unit')}):",
+        "",
+    ]
+    rows = []
+    for key, value in table["costs"].items():
+        val = (table.get("validation") or {}).get(key) or {}
+        ci = val.get("convergence_ci95")
+        rows.append(
+            [
+                key,
+                _f(value, ".2f"),
+                _f(((table.get("proxy") or {}).get(key) or {}).get("mean"), ".4f"),
+                _f(val.get("convergence_mean"), "+.2f"),
+                f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "-",
+                {True: "yes", False: "no"}.get(val.get("within_ci"), "-"),
+            ]
+        )
+    out += _table(
+        ["technique set", "cost", "proxy (rel. sq. gradient error)", "convergence mean",
+         "convergence 95% CI", "proxy inside the CI"],
+        rows,
+    )  # fmt: skip
+    command = (table.get("measured") or {}).get("command")
+    if command:
+        out += ["", f"Made by `{command}`."]
+    return out + [""]
+
+
 def section_degraded(ctx: ReportContext) -> list[str]:
     deg = ctx.data.get("degraded")
     if deg is None:
@@ -1279,6 +1340,7 @@ def section_granularity(ctx: ReportContext) -> list[str]:
 SECTIONS = (
     ("Throughput drop under failures", section_throughput),
     ("Loss gap vs failure-free", section_loss_gap),
+    ("Convergence with error bars (multi-seed studies)", section_convergence_study),
     ("Detection, regroup and recovery times", section_latencies),
     ("Node loss and standby nodes", section_node_loss),
     ("Control plane at 16k ranks", section_control_plane),

@@ -158,14 +158,15 @@ def make_step_plans(
         return {r: [MicroBatchTask(r, i) for i in range(m)] for r in survivors}
 
     can_slice = granularity == "sample" and b > 1
-    tasks = fresh()
-    if policy == "neighbor":
-        _assign_neighbor(tasks, dead, survivors, n, m)
-    elif can_slice:
-        _assign_spread_samples(tasks, dead, survivors, n, m, b)
+    if policy != "hybrid" or not dead:
+        tasks = fresh()
+        if policy == "neighbor":
+            _assign_neighbor(tasks, dead, survivors, n, m)
+        elif can_slice:
+            _assign_spread_samples(tasks, dead, survivors, n, m, b)
+        else:
+            _assign_spread(tasks, dead, survivors, n, m)
     else:
-        _assign_spread(tasks, dead, survivors, n, m)
-    if policy == "hybrid" and dead:
         tasks = _hybrid(
             dead=dead,
             survivors=survivors,

@@ -38,6 +38,7 @@ from megatron_mecefo.failover import groups, inject, keys
 from megatron_mecefo.failover.heartbeat import Heartbeat
 from megatron_mecefo.failover.inject import Injector
 from megatron_mecefo.failover.membership import Membership
+from megatron_mecefo.mecefo.config import MecefoConfig
 from megatron_mecefo.plan import (
     AccuracyCosts,
     CostModel,
@@ -361,10 +362,15 @@ class FailoverManager(TrainHook):
         return self._plan_cache[1]
 
     def _accuracy_costs(self) -> AccuracyCosts:
-        """The measured accuracy-cost table, its skip part scaled to the layers that skip."""
+        """The measured accuracy-cost table; where the run skips attention in other layers than
+        the table was measured at, the skip's part is scaled by the ratio of skipped layers."""
         mec, layers = self.cfg.mecefo, self.cfg.model.num_layers
-        skipping = len(mec.skip_layer_indices(layers)) if mec.skip_attention_backward else layers
-        return load_accuracy_costs(mec.accuracy_costs or None).with_skip_fraction(skipping / layers)
+        table = load_accuracy_costs(mec.accuracy_costs or None)
+        if table.skip_attention_layers == mec.skip_attention_layers:
+            return table
+        measured = MecefoConfig(skip_attention_layers=table.skip_attention_layers)
+        ours = len(mec.skip_layer_indices(layers))
+        return table.with_skip_fraction(ours / len(measured.skip_layer_indices(layers)))
 
     def _cost_model(self) -> CostModel:
         """FLOP fallback cost model, with a cost for every subset of the configured techniques

@@ -32,10 +32,13 @@ class AccuracyCosts:
     """(`DegradedTechniques.key` without recompute, cost) pairs; keys are canonical."""
     source: str = ""
     """Where the numbers come from (file and command), for logs and errors."""
+    skip_attention_layers: str = "all"
+    """The `mecefo.skip_attention_layers` setting the sets with the skip were measured at."""
     skip_layer_fraction: float = 1.0
-    """Share of the layers whose attention backward the skip removes (`mecefo.
-    skip_attention_layers`); the skip's part of a cost is scaled by it (interpolation between the
-    measured endpoints, no skip and all layers)."""
+    """The run's skipped layers relative to `skip_attention_layers`' (1.0: the same setting);
+    the skip's part of a cost is scaled by it (an interpolation: the measured per-layer costs
+    are far from uniform, docs/mecefo.md, so a run whose setting differs from the table's gets
+    an estimate, not a measurement)."""
 
     def __post_init__(self) -> None:
         canonical = []
@@ -46,10 +49,8 @@ class AccuracyCosts:
                 raise ValueError(f"accuracy cost of {key!r} must be >= 0, got {value}")
             canonical.append((_strip_recompute(t).key, value))
         object.__setattr__(self, "costs", tuple(canonical))
-        if not 0.0 <= self.skip_layer_fraction <= 1.0:
-            raise ValueError(
-                f"skip_layer_fraction must be in [0, 1], got {self.skip_layer_fraction}"
-            )
+        if not 0.0 <= self.skip_layer_fraction < float("inf"):
+            raise ValueError(f"skip_layer_fraction must be >= 0, got {self.skip_layer_fraction}")
 
     def of(self, techniques: DegradedTechniques) -> float | None:
         """Cost of one technique set, or None if it was not measured."""
@@ -67,7 +68,8 @@ class AccuracyCosts:
         return base + self.skip_layer_fraction * (full - base)
 
     def with_skip_fraction(self, fraction: float) -> AccuracyCosts:
-        """The same table for a model that skips attention backward in `fraction` of its layers."""
+        """The same table for a run that skips attention backward in `fraction` x the layers the
+        table's setting skips."""
         return dataclasses.replace(self, skip_layer_fraction=fraction)
 
     @classmethod
@@ -82,7 +84,11 @@ class AccuracyCosts:
             if not isinstance(value, int | float):
                 raise ValueError(f"{source}: cost of {key!r} is not a number: {value!r}")
             pairs.append((key, float(value)))
-        return cls(costs=tuple(pairs), source=source)
+        return cls(
+            costs=tuple(pairs),
+            source=source,
+            skip_attention_layers=str(data.get("skip_attention_layers", "all")),
+        )
 
 
 def load_accuracy_costs(path: str | Path | None = None) -> AccuracyCosts:

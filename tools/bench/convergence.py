@@ -139,6 +139,12 @@ def parse_args() -> argparse.Namespace:
         "(mean over the given runs) scaled so that the anchor's best-measured set keeps its "
         "cost, with the proxy's prediction for every measured set beside its convergence 95%% CI",
     )
+    p.add_argument(
+        "--proxy-skip-layers",
+        default="all",
+        help="--proxy-costs: the skip_attention_layers setting the table is for (its sets with "
+        "the skip take the proxy measured at that setting, `--grad-error --skip-layers SPEC`)",
+    )
     p.add_argument("--rank", type=float, default=0.125, help="basis-error rank (fraction)")
     p.add_argument("--quick", action="store_true", help="demo corpus, 60 steps, 2 configs")
     p.add_argument(
@@ -534,11 +540,12 @@ def grad_error(args, ctx) -> dict:
     tasks = union_plan(plans).tasks
     sets = candidate_techniques(engine.cfg.mecefo.techniques)
     errors = _set_errors(args, engine, tasks, sets)
-    for spec in args.skip_layers:  # the attention skip alone, in a subset of the layers
+    for spec in args.skip_layers:  # the sets with the attention skip, in a subset of the layers
         other = build(args, ctx, [f"mecefo.skip_attention_layers={spec}"])
         other.ddp.module.load_state_dict(engine.ddp.module.state_dict())  # the trained weights
-        skip = [t for t in sets if t.names == ("skip_attention_backward",)]
-        errors[f"skip@{spec}"] = _set_errors(args, other, tasks, skip)["skip"]
+        skipping = [t for t in sets if t.skip_attention_backward]
+        for key, values in _set_errors(args, other, tasks, skipping).items():
+            errors[f"{key}@{spec}"] = values
         del other
     share = sum(x.degraded for x in tasks) / (n * m)
     out = {"degraded_share": share, "val_loss": run["val_loss"], "sets": {}}
@@ -646,12 +653,22 @@ def markdown_table(paths: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_proxy_costs(grad_paths: list[str], anchor_path: str, out: str, command: str) -> dict:
-    """The planner's table from the gradient-error proxy, anchored to convergence runs."""
+def write_proxy_costs(
+    grad_paths: list[str], anchor_path: str, out: str, command: str, skip_layers: str = "all"
+) -> dict:
+    """The planner's table from the gradient-error proxy, anchored to convergence runs (which
+    ran with the skip in every layer); `skip_layers`: the setting the table's skip sets are for."""
     per_set: dict[str, list[float]] = {}
     for path in grad_paths:
         for key, st in json.loads(Path(path).read_text())["grad_error"]["sets"].items():
             per_set.setdefault(key, []).append(st["mean"])
+    if skip_layers != "all":  # the skip sets at that setting replace the all-layer ones
+        for key in [k for k in per_set if "@" not in k and "skip" in k.split("+")]:
+            if f"{key}@{skip_layers}" not in per_set:
+                raise SystemExit(f"error: no --grad-error run measured {key}@{skip_layers}")
+        at = {k.split("@")[0]: v for k, v in per_set.items() if k.endswith(f"@{skip_layers}")}
+    else:
+        at = {}
     anchor = json.loads(Path(anchor_path).read_text())
     measured = anchor["costs"]
     # the anchor set: measured by convergence with the smallest relative spread
@@ -659,8 +676,9 @@ def write_proxy_costs(grad_paths: list[str], anchor_path: str, out: str, command
         (k for k in measured if k in per_set and measured[k]["mean"] > 0),
         key=lambda k: measured[k]["std"] / measured[k]["mean"],
     )
-    proxy = {k: _stats(v) for k, v in per_set.items()}
+    proxy = {k: _stats(v) for k, v in per_set.items() if "@" not in k}
     alpha = measured[key]["mean"] / proxy[key]["mean"]
+    table_sets = {k: _stats(at.get(k, per_set[k])) for k in proxy}
     validation = {}
     for k, m in measured.items():
         if k not in proxy:
@@ -677,10 +695,13 @@ def write_proxy_costs(grad_paths: list[str], anchor_path: str, out: str, command
         }
     table = {
         "unit": anchor["unit"],
-        "costs": {k: alpha * v["mean"] for k, v in sorted(proxy.items())},
+        "costs": {k: alpha * v["mean"] for k, v in sorted(table_sets.items())},
+        "skip_attention_layers": skip_layers,
+        "skip_layer_proxy": {k: _stats(v) for k, v in per_set.items() if "@" in k},
         "method": "gradient-error proxy (relative squared error of the reduced step gradient, "
         "neighbour plan, replica 1 dead) x alpha; alpha makes the proxy equal the convergence "
-        f"cost of {key!r}, the set the convergence runs measured most precisely",
+        f"cost of {key!r}, the set the convergence runs measured most precisely; the sets with "
+        f"the attention skip take the proxy measured with skip_attention_layers={skip_layers}",
         "alpha": alpha,
         "anchor_set": key,
         "proxy": {k: {**v, "per_run": per_set[k]} for k, v in proxy.items()},
@@ -703,7 +724,7 @@ def write_proxy_costs(grad_paths: list[str], anchor_path: str, out: str, command
             if val
             else ""
         )
-        print(f"  {k:<16} {v:7.2f} (proxy {proxy[k]['mean']:.4f}){extra}")
+        print(f"  {k:<16} {v:7.2f} (proxy {table_sets[k]['mean']:.4f}){extra}")
     return table
 
 
@@ -713,7 +734,13 @@ def main() -> int:
         if not (args.accuracy_costs and args.accuracy_table):
             raise SystemExit("error: --proxy-costs needs --accuracy-costs OUT and --accuracy-table")
         command = "python tools/bench/convergence.py " + " ".join(sys.argv[1:])
-        write_proxy_costs(args.proxy_costs, args.accuracy_table, args.accuracy_costs, command)
+        write_proxy_costs(
+            args.proxy_costs,
+            args.accuracy_table,
+            args.accuracy_costs,
+            command,
+            args.proxy_skip_layers,
+        )
         return 0
     if "--table" in sys.argv:
         args = parse_args()

@@ -39,6 +39,12 @@ def _attention_names(layer: int) -> list[str]:
         ("2", 3, {2}),
         ("0, 2,5", 6, {0, 2, 5}),
         (" LAST:1 ", 4, {3}),
+        ("last:75%", 8, {2, 3, 4, 5, 6, 7}),
+        ("last:75%", 2, {0, 1}),  # ceil: a 2-layer model skips both
+        ("last:75%", 4, {1, 2, 3}),
+        ("first:50%", 8, {0, 1, 2, 3}),
+        ("last:1%", 8, {7}),  # at least one layer
+        ("last:100%", 3, {0, 1, 2}),
     ],
 )
 def test_skip_attention_layers_forms(spec, num_layers, expected):
@@ -49,6 +55,9 @@ def test_skip_attention_layers_forms(spec, num_layers, expected):
     "spec, match",
     [
         ("none", "skip_attention_backward=false"),
+        ("last:0%", "share"),
+        ("last:150%", "share"),
+        ("every:50%", "first:K"),
         ("first:0", "first:K"),
         ("last:-1", "first:K"),
         ("middle:2", "first:K"),
@@ -86,7 +95,7 @@ def test_skip_attention_layers_from_the_run_config():
     def load(value):
         return load_config(RunConfig, DEMO_RUN, [f"mecefo.skip_attention_layers={value}"]).mecefo
 
-    assert MecefoConfig().skip_attention_layers == "all"
+    assert MecefoConfig().skip_attention_layers == "last:75%"  # the measured default
     assert load("last:1").skip_attention_layers == "last:1"
     assert load("0,1").skip_layer_indices(2) == {0, 1}
     assert load("1").skip_attention_layers == "1"  # YAML reads an integer: taken as the index

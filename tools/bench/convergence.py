@@ -800,14 +800,25 @@ def main() -> int:
                 run = train(args, ctx, scenario, policy, overrides, cost, accuracy)
                 rows.append(_row(args, run, base, scenario, name, normal_plan, normal_s, seed))
                 del run
+                # after every run, so that a run cut short leaves what it measured
+                _write_partial(report, by_seed, rows, args)
     first = by_seed[str(args.seeds[0])]
     report["failure_free"] = {**first, "by_seed": by_seed}
     report["rows"] = rows
+    report["complete"] = True
     report["summary"] = summarize(rows)
     print_table(report, args)
     if args.accuracy_costs:
         write_accuracy_costs(report, args)
     return _write(report, args.out)
+
+
+def _write_partial(report: dict, by_seed: dict, rows: list[dict], args) -> None:
+    first = by_seed[str(args.seeds[0])]
+    partial = {**report, "failure_free": {**first, "by_seed": by_seed}, "rows": rows}
+    partial["complete"] = False
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(partial, indent=2, default=str))
 
 
 def _row(args, run, base, scenario, name, normal_plan, normal_s, seed) -> dict:

@@ -719,7 +719,8 @@ def write_proxy_costs(
     for k, v in table["costs"].items():
         val = validation.get(k)
         extra = (
-            f"; convergence {val['convergence_mean']:+.2f}, 95% CI "
+            f"; all layers: proxy predicts {val['proxy_predicted']:.2f}, convergence "
+            f"{val['convergence_mean']:+.2f}, 95% CI "
             f"[{val['convergence_ci95'][0]:+.2f}, {val['convergence_ci95'][1]:+.2f}]"
             if val
             else ""

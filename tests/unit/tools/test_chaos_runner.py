@@ -106,7 +106,11 @@ def test_node_loss_kills_the_agent_and_everything_under_it(tmp_path, fake_agents
         job.start()
         faults = chaos.Faults(job, chaos.Probe(job))
         node1 = job.agents[1].pid
-        under = [p.pid for p in job.processes() if p.ppid == node1]
+        deadline = time.monotonic() + 10  # the fake agent starts its child a moment later
+        under = []
+        while not under and time.monotonic() < deadline:
+            under = [p.pid for p in job.processes() if p.ppid == node1]
+            time.sleep(0.05)
         assert len(under) == 1
         faults.tick(step=0)
         assert faults.ledger[0]["fired"] and job.killed_agents == {1}

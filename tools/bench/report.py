@@ -1037,7 +1037,14 @@ def section_convergence_study(ctx: ReportContext) -> list[str]:
     ]
     for path in studies:
         report = json.loads(path.read_text())
-        out.append(f"- `{path.name}`: `{report.get('command', '?')}` ({report.get('date', '?')})")
+        cut = (
+            " **cut short: partial, see the seeds column**"
+            if report.get("complete") is False
+            else ""
+        )
+        out.append(
+            f"- `{path.name}`: `{report.get('command', '?')}` ({report.get('date', '?')}){cut}"
+        )
     table = json.loads(costs_path.read_text())
     out += [
         "",

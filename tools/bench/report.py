@@ -1056,10 +1056,12 @@ def section_convergence_study(ctx: ReportContext) -> list[str]:
     for key, value in table["costs"].items():
         val = (table.get("validation") or {}).get(key) or {}
         ci = val.get("convergence_ci95")
+        alpha = table.get("alpha")
         rows.append(
             [
                 key,
                 _f(value, ".2f"),
+                _f(value / alpha if alpha else None, ".4f"),
                 _f(((table.get("proxy") or {}).get(key) or {}).get("mean"), ".4f"),
                 _f(val.get("convergence_mean"), "+.2f"),
                 f"[{ci[0]:+.2f}, {ci[1]:+.2f}]" if ci else "-",
@@ -1067,8 +1069,9 @@ def section_convergence_study(ctx: ReportContext) -> list[str]:
             ]
         )
     out += _table(
-        ["technique set", "cost", "proxy (rel. sq. gradient error)", "convergence mean",
-         "convergence 95% CI", "proxy inside the CI"],
+        ["technique set", "cost", f"proxy at {table.get('skip_attention_layers', 'all')}",
+         "proxy, all layers", "convergence mean (all layers)", "convergence 95% CI",
+         "all-layer proxy x alpha inside the CI"],
         rows,
     )  # fmt: skip
     command = (table.get("measured") or {}).get("command")

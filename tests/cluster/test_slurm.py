@@ -275,7 +275,9 @@ def test_job_completes_and_loss_falls(slurm, tmp_path, demo_data_dir):
 
 
 def test_rank_killed_mid_run_rejoins_and_job_completes(slurm, tmp_path, demo_data_dir):
-    steps = 24
+    # steps take ~60 ms while a restarted rank needs seconds to import and rejoin (tens of
+    # seconds on a loaded machine: with 24 steps the survivor once finished before it was back)
+    steps = 120
     job = submit(slurm, tmp_path, demo_data_dir, steps=steps, train_args=("--inject", "kill:1:6:3"))
     info = job.wait()
     assert_completed(job, info, steps)

@@ -628,13 +628,21 @@ def _ratio(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2f}"
 
 
+def _default_skip_layers() -> str:
+    """The skip-layer setting the runs' configs get unless a config overrides it."""
+    from megatron_mecefo.mecefo import MecefoConfig
+
+    return MecefoConfig().skip_attention_layers
+
+
 def markdown_table(paths: list[str]) -> str:
     """One row per (run, scenario, config) of the given convergence JSONs."""
     lines = [
-        "| corpus | layers | M | scenario | config | seeds | ppl gap % (mean +- sd) | 95% CI "
+        "| corpus | layers | skip layers | M | scenario | config | seeds | ppl gap % (mean +- sd) "
+        "| 95% CI "
         "| beyond noise | slowest step x (pred.) | mean step x over failure steps (pred.) "
         "| degraded share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in paths:
         report = json.loads(Path(path).read_text())
@@ -642,7 +650,8 @@ def markdown_table(paths: list[str]) -> str:
         for r in summarize(report["rows"]):
             g, (lo, hi) = r["gap_ppl_pct"], r["ci95"]
             lines.append(
-                f"| {a['corpus']} | {a.get('num_layers') or 2} | {a['microbatches']} "
+                f"| {a['corpus']} | {a.get('num_layers') or 2} "
+                f"| {report.get('skip_attention_layers', 'all')} | {a['microbatches']} "
                 f"| {r['scenario']} | {r['config']} | {g['n']} "
                 f"| {g['mean']:+.2f} +- {g['std']:.2f} "
                 f"| [{lo:+.2f}, {hi:+.2f}] | {'yes' if r['beyond_noise'] else 'no'} "
@@ -759,6 +768,7 @@ def main() -> int:
     ctx = init_parallel(ParallelConfig())
     report = {
         "args": {k: v for k, v in vars(args).items() if k != "data_overrides"},
+        "skip_attention_layers": _default_skip_layers(),
         "command": "python tools/bench/convergence.py " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -480,6 +480,7 @@ def test_convergence_study_section_renders_committed_studies(tmp_path, monkeypat
     )
     monkeypatch.setattr(report, "STUDY_DIR", study)
     md = "\n".join(report.section_convergence_study(None))
-    assert "| kjv | 8 | 2 | moderate | neighbor | 3 | +1.00 +- 0.20 | [+0.50, +1.50] | yes " in md
+    row = "| kjv | 8 | all | 2 | moderate | neighbor | 3 | +1.00 +- 0.20 | [+0.50, +1.50] | yes "
+    assert row in md
     assert "`python c.py --seeds 1 2 3` (2026-11-25)" in md
     assert "| skip+lowrank |" in md  # the planner's shipped table

@@ -308,6 +308,7 @@ def _hybrid(
     bases.append(("spread", whole))
     neighbor = fresh()
     _assign_neighbor(neighbor, dead, survivors, n, m)
+    target_s = target_ratio * cost.step_time(m, 0)
     options = hybrid_options(
         bases=bases,
         neighbor=neighbor,
@@ -317,12 +318,10 @@ def _hybrid(
         m=m,
         b=b,
         objective=objective,
-        target_s=target_ratio * cost.step_time(m, 0),
+        target_s=target_s,
         budget=budget,
     )
-    return choose(
-        options, objective=objective, target_s=target_ratio * cost.step_time(m, 0), budget=budget
-    ).tasks
+    return choose(options, objective=objective, target_s=target_s, budget=budget).tasks
 
 
 def _technique_candidates(

@@ -473,7 +473,7 @@ def basis_error(args, ctx) -> list[dict]:
         engine.ddp.zero_grad_buffer()
         tasks = tuple(MicroBatchTask(0, batch_index * m + i) for i in range(m))
         plan = RankStepPlan(tasks=tasks, num_replicas=1, microbatches_per_replica=m)
-        _accumulate_grads(engine, plan)
+        _accumulate_grads(engine, plan.tasks, sampler=engine.valid_sampler, step=0, loss_scale=1.0)
         for index, layer in enumerate(layers):
             hooks = layer.mecefo_hooks
             for label, weight, cache in (
@@ -496,22 +496,21 @@ def basis_error(args, ctx) -> list[dict]:
     return rows
 
 
-def _accumulate_grads(engine, plan) -> None:
-    """Forward/backward of validation micro-batches into main_grad, no reduction, no update."""
+def _accumulate_grads(engine, tasks, *, sampler, step: int, loss_scale: float) -> None:
+    """Forward/backward of `tasks` (each in its mode) into main_grad: no reduction, no update."""
     import functools
 
     from megatron_mecefo.mcore import stack
 
-    sampler = engine.valid_sampler
-    fwd = functools.partial(engine._forward_step, sampler=sampler, step=0, loss_scale=1.0)
+    fwd = functools.partial(engine._forward_step, sampler=sampler, step=step, loss_scale=loss_scale)
     saved = engine.tcfg.finalize_model_grads_func
     engine.tcfg.finalize_model_grads_func = None
     try:
         stack.forward_backward(
             engine.ddp,
             fwd,
-            iter(plan.tasks),
-            num_microbatches=len(plan.tasks),
+            iter(tasks),
+            num_microbatches=len(tasks),
             seq_length=engine.cfg.model.seq_length,
             micro_batch_size=engine.cfg.training.micro_batch_size,
         )
@@ -580,31 +579,14 @@ def _set_errors(args, engine, tasks, sets) -> dict[str, list[float]]:
 def _reduced_grad(engine, tasks, n, m, step, masked_scale=None):
     """The SUM-reduced gradient of `tasks` with the plan scaling (ordinary 1/n, masked
     parameters `masked_scale`), flattened; no optimizer step."""
-    import functools
-
     import torch
 
-    from megatron_mecefo.mcore import stack
     from megatron_mecefo.plan import RankStepPlan
 
     engine.ddp.zero_grad_buffer()
     plan = RankStepPlan(tasks=tuple(tasks), num_replicas=n, microbatches_per_replica=m)
     sampler = engine._sampler_for(plan)  # serves all n replicas' micro-batches
-    fwd = functools.partial(engine._forward_step, sampler=sampler, step=step, loss_scale=1.0 / m)
-    saved = engine.tcfg.finalize_model_grads_func
-    engine.tcfg.finalize_model_grads_func = None
-    try:
-        stack.forward_backward(
-            engine.ddp,
-            fwd,
-            iter(tasks),
-            num_microbatches=len(tasks),
-            seq_length=engine.cfg.model.seq_length,
-            micro_batch_size=engine.cfg.training.micro_batch_size,
-        )
-    finally:
-        engine.tcfg.finalize_model_grads_func = saved
-        engine.controller.set_degraded(False)
+    _accumulate_grads(engine, tasks, sampler=sampler, step=step, loss_scale=1.0 / m)
     parts = []
     for name, param in engine.ddp.module.named_parameters():
         scale = 1.0 / n

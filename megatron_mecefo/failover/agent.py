@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from megatron_mecefo.errors import ExitCode
-from megatron_mecefo.failover import health, keys
+from megatron_mecefo.failover import health, keys, local_beat
 from megatron_mecefo.failover.lifecycle import die_with_parent, quiet_cpp_logs
 from megatron_mecefo.failover.liveness import node_key, node_report
 from megatron_mecefo.metrics import rank_log
@@ -139,6 +139,14 @@ class Agent:
         self.quick_deaths: dict[int, int] = {}  # rank -> deaths in a row soon after a start
         self.term_deadline: float | None = None  # SIGTERM with a grace time: hard stop after
         self.report_seq = 0
+        self.beat_dir: Path | None = None  # the node-local heartbeat channel (aggregated beats)
+        if os.environ.get(local_beat.AGGREGATE_ENV, "1") != "0":
+            self.beat_dir = local_beat.make_folder()
+        self.gen_seen = -1  # GEN at the last eviction check
+        self.record_gen = 0  # the newest generation record written to the beat folder
+        self.evict_checked = 0.0  # when evictions were last read
+        self.standby_logged = False
+        keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
         if not args.standby:
             node = args.node_rank
@@ -184,6 +192,7 @@ class Agent:
             keys.COORDINATOR_ENV: self.address,
             keys.INCARNATION_ENV: str(self.incarnation[rank]),
             keys.NODE_RANK_ENV: str(self.node),
+            **({local_beat.BEAT_DIR_ENV: str(self.beat_dir)} if self.beat_dir else {}),
             **(
                 {NODE_DIR_ENV: str(self.snapshot_dir), SMP_ENV: "1"}
                 if self.smp_cmd is not None
@@ -238,6 +247,8 @@ class Agent:
             return self._watch()
         finally:
             self._stop_children()
+            if self.beat_dir is not None:
+                shutil.rmtree(self.beat_dir, ignore_errors=True)
             try:
                 self.store.add(keys.AGENTS_ACTIVE, -1)
             except Exception:  # noqa: BLE001 - the coordinator may be gone already
@@ -267,21 +278,32 @@ class Agent:
         self.stop_reason = self.stop_reason or reason
 
     def _tick(self) -> int | None:
-        if self.stop_reason is not None and not self.store.check([keys.STOP]):
+        # GEN, the job's flags and this node's owner in one request (see keys.FLAGS)
+        gen_raw, flags, owner = self.store.multi_get(
+            [keys.GEN, keys.FLAGS, keys.node_owner(self.node)]
+        )
+        stop_set = keys.flag_raised(flags, keys.STOP)
+        if self.stop_reason is not None and not stop_set:
             self.log(f"stop requested ({self.stop_reason}): ranks checkpoint and stop")
-            self.store.set(keys.STOP, f"node {self.node}: {self.stop_reason}")
-        done = self.store.check([keys.DONE]) or self.store.check([keys.STOP])
-        if self.store.get(keys.node_owner(self.node)).decode() != str(self.agent_id):
+            keys.raise_flag(self.store, keys.STOP, f"node {self.node}: {self.stop_reason}")
+            stop_set = True
+        done = keys.flag_raised(flags, keys.DONE) or stop_set
+        if owner.decode() != str(self.agent_id):
             self._hand_over()
             return None
-        self._report_liveness()
+        gen = int(gen_raw)
+        self._report_liveness(gen, flags, stop_set)
+        check_evictions = gen != self.gen_seen or time.monotonic() - self.evict_checked > 2.0
+        if check_evictions:  # the coordinator sets evictions before the generation that drops them
+            self.gen_seen, self.evict_checked = gen, time.monotonic()
         if self.smp is not None and self.smp.poll() is not None and not done:
             self.log(f"the snapshot process exited ({self.smp.returncode}); restarting it")
             self._start_smp()
         for rank, proc in list(self.procs.items()):
             rc = proc.poll()
             if rc is None:
-                self._maybe_evict(rank, proc)
+                if check_evictions:
+                    self._maybe_evict(rank, proc)
                 continue
             del self.procs[rank]
             _signal_group(proc, signal.SIGKILL)  # leftovers it forked (checkpoint writers)
@@ -311,23 +333,46 @@ class Agent:
                 self._top_up_spares()
         return None
 
-    def _report_liveness(self) -> None:
-        """One key per node: what the kernel says of each rank (see `liveness.py`)."""
+    def _report_liveness(self, gen: int, flags: bytes, stop_set: bool) -> None:
+        """One key per node: what the kernel says of each rank (see `liveness.py`), with each
+        rank's beat when they beat through this agent; then the trainers' control file."""
         self.report_seq += 1
         procs = {r: (self.incarnation[r], p.pid) for r, p in self.procs.items()}
+        beats = None
+        if self.beat_dir is not None:
+            beats = local_beat.read_beats(self.beat_dir, {r: self.incarnation[r] for r in procs})
+            asked = [(r, b["stop"]) for r, b in sorted(beats.items()) if b.get("stop")]
+            if asked and not stop_set:  # a rank got SIGUSR1: every member must stop with it
+                keys.raise_flag(self.store, keys.STOP, f"rank {asked[0][0]}: {asked[0][1]}")
+                flags, stop_set = flags + f"{keys.STOP};".encode(), True
         seq = f"{self.agent_id}:{self.report_seq}"
-        self.store.set(node_key(self.node), node_report(seq, procs))
+        self.store.set(node_key(self.node), node_report(seq, procs, beats))
+        if self.beat_dir is not None:
+            if gen > self.record_gen:  # the record before the control file that announces it
+                local_beat.write_record(self.beat_dir, gen, self.store.get(keys.gen_record(gen)))
+                self.record_gen = gen
+            control = local_beat.Control(seq=self.report_seq, gen=gen)
+            if keys.flag_raised(flags, keys.ABORT):
+                control.abort = self.store.get(keys.ABORT).decode()
+            if stop_set:
+                control.stop = self.store.get(keys.STOP).decode()
+            control.done = keys.flag_raised(flags, keys.DONE)
+            local_beat.write_control(self.beat_dir, control)
 
     def _standby_tick(self) -> int | None:
         """A standby: beat, and take over the node the coordinator assigns (if any)."""
-        if self.store.check([keys.ABORT]):
+        flags = self.store.get(keys.FLAGS)
+        if keys.flag_raised(flags, keys.ABORT):
             return int(ExitCode.JOB_ABORTED)
-        if self.store.check([keys.DONE]):
+        if keys.flag_raised(flags, keys.DONE):
             return int(ExitCode.OK)
-        if self.store.check([keys.STOP]):
+        if keys.flag_raised(flags, keys.STOP):
             return int(ExitCode.PREEMPTED)
         self.report_seq += 1
         self.store.set(keys.standby(self.agent_id), json.dumps({"seq": self.report_seq}))
+        if not self.standby_logged:  # the coordinator reads standbys from this log only
+            self.store.append(keys.STANDBY_LOG, f"{self.agent_id},")
+            self.standby_logged = True
         self._top_up_spares()
         if self.store.check([keys.assign(self.agent_id)]):
             node = int(self.store.get(keys.assign(self.agent_id)))

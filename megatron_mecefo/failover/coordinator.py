@@ -31,6 +31,7 @@ from pathlib import Path
 
 from megatron_mecefo.failover import keys
 from megatron_mecefo.failover.liveness import NodeWatch, Verdict, node_key
+from megatron_mecefo.failover.local_beat import AGENT_STALL_S
 from megatron_mecefo.failover.spares import SparePool
 from megatron_mecefo.metrics.events import EventWriter
 
@@ -97,6 +98,7 @@ class _RankState:
     evicted_incarnation: int = -1
     slow_since: float | None = None  # silent but alive (logged once per episode)
     node: int | None = None  # the node (agent) it runs on, from its registration
+    hb_source: str = ""  # where hb_value was read: "agent" (node report) or "store" (own key)
 
 
 class Coordinator:
@@ -130,6 +132,9 @@ class Coordinator:
         self.nodes = NodeWatch(cfg.agent_timeout_s)
         self.spares = SparePool(store, cfg.agent_timeout_s, log=log)
         self._node_ids: set[int] = set()
+        self._log_pos: dict[str, int] = {}  # REG_LOG / DEAD_LOG -> characters read so far
+        self._member_set: tuple[tuple, frozenset] = ((), frozenset())
+        self._admitted_at: dict[tuple[int, int], int] = {}  # (rank, inc) of a replacement -> step
         self._last_tick: float | None = None  # when the previous tick ended
         self._front: tuple[int, int] | None = None  # furthest (step, phase) among members
         self._front_of: dict | None = None  # the progress map `_front` was computed from
@@ -185,11 +190,10 @@ class Coordinator:
         if seq == self._reg_seq:
             return
         self._reg_seq = seq
-        for rank, st in self.ranks.items():
-            key = keys.registration(rank)
-            if not self.store.check([key]):
-                continue
-            reg = json.loads(self.store.get(key))
+        ranks = self._logged_ranks(keys.REG_LOG, keys.registration)
+        regs = self.store.multi_get([keys.registration(r) for r in ranks]) if ranks else []
+        for rank, raw in zip(ranks, regs):
+            st, reg = self.ranks[rank], json.loads(raw)
             if "node" in reg:
                 st.node = int(reg["node"])
                 self._node_ids.add(st.node)
@@ -202,6 +206,16 @@ class Coordinator:
                 self.tp = int(reg["tp"])
                 if self.world % self.tp:
                     self._abort(f"world size {self.world} is not divisible by TP {self.tp}")
+
+    def _logged_ranks(self, log_key: str, key_of) -> list[int]:
+        """Ranks appended to `log_key` since the last read: one request, not one per rank. A store
+        written without the log (an older writer) is scanned rank by rank instead."""
+        if not self.store.check([log_key]):
+            return [r for r in self.ranks if self.store.check([key_of(r)])]
+        ranks, self._log_pos[log_key] = keys.new_log_entries(
+            self.store, log_key, self._log_pos.get(log_key, 0)
+        )
+        return [r for r in ranks if r in self.ranks]
 
     def _mark_replaced(self, rank: int, old: int, new: int) -> None:
         """A member rank re-registered: its old incarnation is gone even if nobody reported it
@@ -225,35 +239,76 @@ class Coordinator:
             if st.node is not None:
                 by_node.setdefault(st.node, {})[rank] = st.incarnation
 
-        def full_strength(node: int, at_loss: dict[int, int]) -> bool:
-            return all(
-                r // self.tp in self.members and self.ranks[r].incarnation > inc
-                for r, inc in at_loss.items()
-            )
+        self.spares.tick(
+            now,
+            self.nodes,
+            by_node,
+            lambda node, at_loss: self._trains_again(at_loss),
+            self.job_step,
+        )
 
-        self.spares.tick(now, self.nodes, by_node, full_strength, self.job_step)
+    def _trains_again(self, at_loss: dict[int, int]) -> bool:
+        """Every rank of a replaced node (`at_loss`: rank -> incarnation lost) is a member again
+        in a newer incarnation, and trains: its progress shows that incarnation past the job step
+        it was admitted at (admission comes a state transfer and a step before any work)."""
+        for r, inc in at_loss.items():
+            st = self.ranks[r]
+            p_inc, p_step, phase = _parse_progress(st.progress)
+            if r // self.tp not in self.members or st.incarnation <= inc:
+                return False
+            admitted = self._admitted_at.setdefault((r, st.incarnation), self.job_step)
+            if p_inc != st.incarnation or phase == "idle" or p_step <= admitted:
+                return False
+        return True
 
     def _registered(self) -> list[int]:
         return [r for r, st in self.ranks.items() if st.incarnation >= 0]
 
     def _read_heartbeats(self, now: float) -> None:
-        ranks = self._registered()
+        """Beats and progress: from the agents' node reports (aggregated, one multi_get for every
+        node), and from the per-rank keys only for ranks no fresh report carries (no agent, the
+        agent has yet to report this incarnation, or it stalled and its ranks beat directly)."""
+        covered = self._read_node_reports(now)
+        ranks = [r for r in self._registered() if r not in covered]
         if not ranks:
             return
         values = self.store.multi_get([keys.heartbeat(r) for r in ranks])
         progress = self.store.multi_get([keys.progress(r) for r in ranks])
         for rank, hb, prog in zip(ranks, values, progress):
-            st = self.ranks[rank]
-            value = int(hb.decode())
-            if value != st.hb_value:
-                st.hb_value, st.hb_changed = value, now
-            text = prog.decode()
-            if text != st.progress:
-                st.progress, st.progress_changed = text, now
-        nodes = [n for n in sorted(self._node_ids) if self.store.check([node_key(n)])]
-        if nodes:
-            for node, raw in zip(nodes, self.store.multi_get([node_key(n) for n in nodes])):
-                self.nodes.update(node, raw, now)
+            self._saw_beat(self.ranks[rank], "store", int(hb.decode()), prog.decode(), now)
+
+    def _read_node_reports(self, now: float) -> set[int]:
+        """Feed the agents' reports to `self.nodes`; the ranks whose beat a fresh one carried."""
+        names = [node_key(n) for n in sorted(self._node_ids)]
+        if not names:
+            return set()
+        if self.store.check(names):  # every node has reported: one request for all
+            present = names
+        else:
+            present = [k for k in names if self.store.check([k])]
+        covered = set()
+        for name, raw in zip(present, self.store.multi_get(present) if present else []):
+            node, report = int(name.rpartition("/")[2]), json.loads(raw)
+            self.nodes.update_report(node, report, now)
+            if self.nodes.silent_s(node, now) > AGENT_STALL_S:
+                continue  # a stalled agent: its ranks beat to the store meanwhile
+            for rank, entry in report["ranks"].items():
+                st = self.ranks.get(int(rank))
+                if st is None or len(entry) < 6 or entry[0] != st.incarnation:
+                    continue  # no beat yet (or an older incarnation's): per-rank keys
+                covered.add(int(rank))
+                self._saw_beat(st, "agent", entry[4], entry[5], now)
+        return covered
+
+    @staticmethod
+    def _saw_beat(st: _RankState, source: str, value: int, progress: str, now: float) -> None:
+        """A counter that moved is a beat; one read from the other source only sets the base."""
+        if source != st.hb_source:
+            st.hb_source, st.hb_value = source, value
+        elif value != st.hb_value:
+            st.hb_value, st.hb_changed = value, now
+        if progress != st.progress:
+            st.progress, st.progress_changed = progress, now
 
     def _forget_ages(self, now: float, why: str) -> None:
         """Restart every silence clock from now (see PAUSE_S)."""
@@ -333,10 +388,10 @@ class Coordinator:
         if seq == self._dead_seq:
             return
         self._dead_seq = seq
-        for rank in self.ranks:
-            if self.store.check([keys.dead(rank)]):
-                inc, _, epoch = self.store.get(keys.dead(rank)).decode().partition(":")
-                self.reported[rank] = (int(inc), float(epoch))
+        ranks = self._logged_ranks(keys.DEAD_LOG, keys.dead)
+        for rank, raw in zip(ranks, self.store.multi_get([keys.dead(r) for r in ranks])):
+            inc, _, epoch = raw.decode().partition(":")
+            self.reported[rank] = (int(inc), float(epoch))
 
     def _is_hung(self, rank: int, progress: dict, now: float) -> bool:
         """Another member is ahead of `rank` (a later step, or the same step's reduction) and
@@ -458,7 +513,9 @@ class Coordinator:
                 self.log(f"[coordinator] rank {rank} (replica {rep}) lost: {reason}")
 
     def _ready_to_join(self, replica: int, now: float) -> bool:
-        if replica in self.members:
+        if self._member_set[0] is not self.members:  # a set per members tuple: O(1) lookups
+            self._member_set = (self.members, frozenset(self.members))
+        if replica in self._member_set[1]:
             return False
         for rank in self.replica_ranks(replica):
             st = self.ranks[rank]
@@ -498,7 +555,7 @@ class Coordinator:
 
     def _abort(self, reason: str) -> None:
         self.aborted = reason
-        self.store.set(keys.ABORT, reason)
+        keys.raise_flag(self.store, keys.ABORT, reason)
         keys.post_event(
             self.store, "abort", step=max(self.job_step, 0), dp_rank=None, detail=reason
         )

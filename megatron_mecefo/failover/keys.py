@@ -59,6 +59,18 @@ NODE_RANK_ENV = "MECEFO_NODE_RANK"
 """The node (agent) a trainer runs on, set by the agent; in the registration as `node`."""
 
 
+FLAGS = "job/flags"
+"""Names of the job-wide flags set so far (ABORT, STOP, DONE), each followed by ";": an agent
+learns all three, with GEN and its node's owner, in one multi_get (`raise_flag`, `control_keys`)."""
+REG_LOG = "reg/log"
+"""Ranks that registered, appended as "<rank>," before REG_SEQ moves: the coordinator reads only
+the entries it has not seen (no request per rank)."""
+DEAD_LOG = "dead/log"
+"""Ranks reported dead, appended as "<rank>," before DEAD_SEQ moves."""
+STANDBY_LOG = "standby/log"
+"""Ids of the agents that stood by at some time, appended as "<id>,"; their beats are under
+`standby(id)`."""
+
 AGENT_IDS = "agents/ids"
 """Counter handing each node agent a job-unique id (1-based) when it starts."""
 
@@ -169,7 +181,42 @@ def post_event(store, event_type: str, **fields: Any) -> None:
 def report_dead(store, rank: int, incarnation: int, epoch_s: float | None = None) -> None:
     """Tell the coordinator this incarnation of `rank` is gone (agent: child exited)."""
     store.set(dead(rank), f"{incarnation}:{time.time() if epoch_s is None else epoch_s}")
+    store.append(DEAD_LOG, f"{rank},")  # before the counter: the coordinator reads seq, then log
     store.add(DEAD_SEQ, 1)
+
+
+def register(store, rank: int, registration_json: str) -> None:
+    """Publish one rank's registration (see REG_LOG for the order)."""
+    store.set(registration(rank), registration_json)
+    store.append(REG_LOG, f"{rank},")
+    store.add(REG_SEQ, 1)
+
+
+def raise_flag(store, key: str, value: str) -> None:
+    """Set one of the job-wide flags ABORT, STOP or DONE, and list it in FLAGS."""
+    store.set(key, value)
+    store.append(FLAGS, f"{key};")
+
+
+def flag_raised(flags: bytes | str, key: str) -> bool:
+    """Whether FLAGS' value lists `key`."""
+    text = flags.decode() if isinstance(flags, bytes) else flags
+    return f"{key};" in text
+
+
+def control_keys(store) -> None:
+    """Create GEN and FLAGS if absent, so that they can be read in one multi_get (which waits
+    for keys that do not exist). Idempotent; any process may call it."""
+    store.compare_set(GEN, "", "0")
+    store.compare_set(FLAGS, "", "")
+
+
+def new_log_entries(store, log_key: str, seen_chars: int) -> tuple[list[int], int]:
+    """The ranks appended to `log_key` after its first `seen_chars` characters, and its length."""
+    if not store.check([log_key]):
+        return [], seen_chars
+    text = store.get(log_key).decode()
+    return sorted({int(x) for x in text[seen_chars:].split(",") if x}), len(text)
 
 
 def wait_for_removal(store, rank: int, timeout_s: float) -> str | None:

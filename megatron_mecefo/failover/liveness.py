@@ -38,7 +38,8 @@ class Verdict(enum.Enum):
 
 
 def node_key(node: int) -> str:
-    """JSON {"seq": n, "ranks": {rank: [incarnation, pid, state, cpu_ticks]}} of one node."""
+    """JSON {"seq": n, "ranks": {rank: [incarnation, pid, state, cpu_ticks(, beats, progress)]}}
+    of one node; the last two when the rank beats through its agent (`local_beat.py`)."""
     return f"node/{node}"
 
 
@@ -55,12 +56,19 @@ def proc_state(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[11]) + int(fields[12])
 
 
-def node_report(seq: int, procs: dict[int, tuple[int, int]]) -> str:
-    """The node key's value for `procs` (rank -> (incarnation, pid)), read from /proc now."""
+def node_report(
+    seq: int | str, procs: dict[int, tuple[int, int]], beats: dict[int, dict] | None = None
+) -> str:
+    """The node key's value for `procs` (rank -> (incarnation, pid)), read from /proc now, with
+    each rank's beat counter and progress from `beats` (`local_beat.read_beats`) where given."""
     ranks = {}
     for rank, (incarnation, pid) in procs.items():
         st = proc_state(pid)
-        ranks[str(rank)] = [incarnation, pid, st[0] if st else "X", st[1] if st else -1]
+        entry = [incarnation, pid, st[0] if st else "X", st[1] if st else -1]
+        beat = (beats or {}).get(rank)
+        if beat is not None:
+            entry += [beat["beats"], beat["progress"]]
+        ranks[str(rank)] = entry
     return json.dumps({"seq": seq, "ranks": ranks})
 
 
@@ -80,7 +88,10 @@ class NodeWatch:
         self.node_of: dict[int, int] = {}  # rank -> node, from the reports
 
     def update(self, node: int, raw: bytes | str, now: float) -> None:
-        report = json.loads(raw)
+        self.update_report(node, json.loads(raw), now)
+
+    def update_report(self, node: int, report: dict, now: float) -> None:
+        """`update` with the report already decoded."""
         st = self.nodes.setdefault(node, _Node())
         if report["seq"] != st.seq:
             st.seq, st.changed, st.ranks = report["seq"], now, report["ranks"]

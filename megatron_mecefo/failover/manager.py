@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.errors import FencedError, JobAbortedError, QuorumTimeoutError
-from megatron_mecefo.failover import groups, inject, keys
+from megatron_mecefo.failover import groups, inject, keys, local_beat
 from megatron_mecefo.failover.heartbeat import Heartbeat
 from megatron_mecefo.failover.inject import Injector
 from megatron_mecefo.failover.membership import Membership
@@ -173,6 +173,8 @@ class FailoverManager(TrainHook):
             interval_s=self.fcfg.heartbeat_interval_s,
             coordinator_timeout_s=self.fcfg.coordinator_timeout_s,
             stop_flag=self.stop_flag,
+            incarnation=self.incarnation,
+            beat_dir=os.environ.get(local_beat.BEAT_DIR_ENV),
         )
         recoverable = self.cfg.snapshot.enabled or self.cfg.checkpoint.interval > 0
         self.store.set(
@@ -185,8 +187,7 @@ class FailoverManager(TrainHook):
                 }
             ),
         )
-        self.store.set(keys.registration(self.rank), json.dumps(reg))
-        self.store.add(keys.REG_SEQ, 1)
+        keys.register(self.store, self.rank, json.dumps(reg))
         self.hb.start()
 
     def attach(self, engine) -> None:
@@ -205,8 +206,10 @@ class FailoverManager(TrainHook):
         wait_s = self.fcfg.start_timeout_s if self.incarnation == 0 else self.fcfg.regroup_timeout_s
         deadline = time.monotonic() + wait_s
         while True:
-            gen = keys.get_int(self.store, keys.GEN)
-            if self.store.check([keys.DONE]):
+            # the heartbeat's generation (from the agent when aggregated): 16k ranks waiting for
+            # the first generation must not poll the store every 20 ms
+            gen = self.hb.latest_gen if self.hb is not None else keys.get_int(self.store, keys.GEN)
+            if self._job_done():
                 raise JobDone()
             if gen > 0 and self._admits_me(self._record(gen)):
                 break
@@ -323,7 +326,7 @@ class FailoverManager(TrainHook):
             info = {"next_step": self.next_step, **train_state.digest(engine)}
             path.write_text(json.dumps(info))
         if self.is_leader:
-            self.store.set(keys.DONE, "1")
+            keys.raise_flag(self.store, keys.DONE, "1")
         summary["failover"] = self.summary()
 
     # ------------------------------------------------------------------ plans
@@ -473,8 +476,14 @@ class FailoverManager(TrainHook):
         return f"generation {latest} removed replicas {gone}" if gone else None
 
     def _record(self, gen: int) -> dict:
+        """Generation `gen`'s record: from the agent's folder when it fetched it for the node
+        (aggregated heartbeats), else from the store."""
         if gen not in self._records:
-            self._records[gen] = json.loads(self.store.get(keys.gen_record(gen)))
+            beat_dir = self.hb.beat_dir if self.hb is not None else None
+            raw = local_beat.read_record(beat_dir, gen) if beat_dir is not None else None
+            if raw is None:
+                raw = self.store.get(keys.gen_record(gen))
+            self._records[gen] = json.loads(raw)
         return self._records[gen]
 
     # ------------------------------------------------------------------ commit vote
@@ -613,15 +622,23 @@ class FailoverManager(TrainHook):
             raise _Superseded(self._wait_newer_generation(gen, deadline))
         return result["group"]
 
+    def _job_done(self) -> bool:
+        """The job finished (the leader set DONE): from the agent's control file, else asked of
+        the store at most every 0.2 s."""
+        if self.hb is not None and self.hb.job_done:
+            return True
+        now = time.monotonic()
+        if now - self._done_checked > 0.2:
+            self._done_checked = now
+            return self.store.check([keys.DONE])
+        return False
+
     def _check_superseded(self, gen: int, deadline: float) -> None:
         latest = self.hb.latest_gen
         if latest > gen:
             raise _Superseded(latest)
-        now = time.monotonic()
-        if now - self._done_checked > 0.2:  # a late joiner: the others finished meanwhile
-            self._done_checked = now
-            if self.store.check([keys.DONE]):
-                raise JobDone()
+        if self._job_done():  # a late joiner: the others finished meanwhile
+            raise JobDone()
         if time.monotonic() > deadline:
             raise QuorumTimeoutError(
                 f"generation {gen} did not form within {self.fcfg.regroup_timeout_s} s"
@@ -629,10 +646,12 @@ class FailoverManager(TrainHook):
 
     def _wait_newer_generation(self, gen: int, deadline: float) -> int:
         while True:
-            latest = keys.get_int(self.store, keys.GEN)
+            latest = max(self.hb.latest_gen, gen) if self.hb is not None else gen
+            if latest == gen:
+                latest = keys.get_int(self.store, keys.GEN)
             if latest > gen:
                 return latest
-            if self.store.check([keys.DONE]):
+            if self._job_done():
                 raise JobDone()
             if time.monotonic() > deadline:
                 raise QuorumTimeoutError(f"no new generation after {gen} failed to form")
@@ -672,6 +691,7 @@ class FailoverManager(TrainHook):
         if best < 0:  # a joiner whose only source died mid-transfer, with nothing saved
             reason = "no live replica holds the training state to rejoin from, and none is saved"
             if self.store.compare_set(keys.ABORT, "", reason).decode() == reason:
+                self.store.append(keys.FLAGS, f"{keys.ABORT};")
                 keys.post_event(
                     self.store, "abort", step=self.next_step, dp_rank=None, detail=reason
                 )

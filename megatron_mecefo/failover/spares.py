@@ -1,6 +1,7 @@
 """Spare nodes, the coordinator's side.
 
-A standby agent (`mecefo-launch --standby`) runs no rank; it bumps `standby/<id>` every tick. When
+A standby agent (`mecefo-launch --standby`) runs no rank; it lists its id in `standby/log` once
+and bumps `standby/<id>` every tick. When
 a working node is lost (its agent's report has not moved for `agent_timeout_s`: the agent died,
 alone or with its ranks), the pool gives the node to a free standby: `node_owner/<node>` and
 `assign/<id>`. The standby starts the node's ranks with new incarnations; they join from a live
@@ -29,6 +30,8 @@ class SparePool:
         self.log = log
         self.standbys: dict[int, tuple[str, float]] = {}  # agent id -> (seq, when it moved)
         self.lost: dict[int, dict] = {}  # node -> {"standby", "failure_epoch_s", "incarnations"}
+        self._ids: list[int] = []  # agents that stood by (keys.STANDBY_LOG)
+        self._log_pos = 0
 
     def restore(self, nodes: set[int]) -> None:
         for node in nodes:
@@ -36,12 +39,13 @@ class SparePool:
                 self.lost[node] = json.loads(self.store.get(keys.replacement(node)))
 
     def read(self, now: float) -> None:
-        """Refresh the standbys' liveness (one multi_get)."""
-        ids = range(1, keys.get_int(self.store, keys.AGENT_IDS) + 1)
-        present = [i for i in ids if self.store.check([keys.standby(i)])]
-        if not present:
+        """Refresh the standbys' liveness: the standby log's new ids, then one multi_get."""
+        ids, self._log_pos = keys.new_log_entries(self.store, keys.STANDBY_LOG, self._log_pos)
+        self._ids = sorted(set(self._ids) | set(ids))
+        if not self._ids:
             return
-        for agent_id, raw in zip(present, self.store.multi_get([keys.standby(i) for i in present])):
+        names = [keys.standby(i) for i in self._ids]
+        for agent_id, raw in zip(self._ids, self.store.multi_get(names)):
             seq = json.loads(raw)["seq"]
             if self.standbys.get(agent_id, ("", 0.0))[0] != seq:
                 self.standbys[agent_id] = (seq, now)

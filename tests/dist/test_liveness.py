@@ -217,3 +217,34 @@ def test_summary_is_job_wide_after_the_leader_dies(tmp_path, demo_data_dir):
     assert summary["steps"] == steps and summary["first_loss"] == metrics[0]["loss"]
     assert fo["steps_redone"] >= 1 and fo["steps_degraded"] >= 1
     assert check_summary(res.run_dir) == []
+
+
+def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_path, demo_data_dir):
+    """Under mecefo-launch the ranks beat through their agent: the store's per-rank heartbeat
+    keys keep their start-up value while the node report carries every beat. Then the agent is
+    SIGSTOPped for longer than the 3 s soft timeout: its ranks beat to the store themselves
+    meanwhile, so none is declared dead, and the job completes."""
+    import json
+
+    from megatron_mecefo.failover import keys
+    from megatron_mecefo.failover.liveness import node_key
+
+    steps, seen = 40, {}
+
+    def pause_agent(proc, run_dir):
+        _wait_for_steps(proc, run_dir, 3)
+        store = keys.connect(_trainer(proc, 0).environ()[keys.COORDINATOR_ENV], 5.0)
+        seen["hb_before"] = [int(store.get(keys.heartbeat(r))) for r in (0, 1)]
+        seen["report"] = json.loads(store.get(node_key(0)))["ranks"]
+        os.kill(proc.pid, signal.SIGSTOP)  # launch() runs mecefo-launch itself
+        time.sleep(4.0)
+        seen["hb_paused"] = [int(store.get(keys.heartbeat(r))) for r in (0, 1)]
+        os.kill(proc.pid, signal.SIGCONT)
+
+    res = launch(tmp_path, demo_data_dir, nproc=2, steps=steps, while_running=pause_agent)
+    assert res.returncode == 0, res.explain()
+    assert seen["hb_before"] == [1, 1], seen  # no beat went to the store while the agent ran
+    assert all(len(e) == 6 and e[4] > 1 for e in seen["report"].values()), seen["report"]
+    assert min(seen["hb_paused"]) > 5, seen  # ~0.2 s beats to the store while it was stopped
+    assert "failure" not in res.event_types(), res.events()
+    assert [m["step"] for m in res.metrics()] == list(range(steps))

@@ -1,7 +1,7 @@
 """Control-plane benchmark: the job's store and membership coordinator under the load of a
 16,384-GPU job, driven by synthetic clients on one machine.
 
-    python tools/bench/control_plane.py [--ranks 1024 4096 16384] [--modes a a1 b]
+    python tools/bench/control_plane.py [--ranks 1024 4096 16384] [--modes a b]
         [--client-rps 20000] [--out bench_out/control_plane.json]
     python tools/bench/control_plane.py --real-nproc 8 16 32    # real jobs, one kill each
 
@@ -12,20 +12,20 @@ is driven in-process so that every tick can be timed and its store requests coun
 `mecefo-coordinator` would start its own coordinator child, which exposes neither).
 
 Clients are worker processes, each driving many logical ranks and node agents over one store
-connection. Mode a is today's protocol: each rank's heartbeat (every 0.2 s: add hb/<r>, set
-progress/<r> when it changed, get GEN, check ABORT, check STOP; on a new GEN its main thread reads
-gen/<g>) and each node agent (every 0.1 s: check DONE and STOP, get node_owner/<i>, set node/<i>,
-check evict/<r> per rank; a death report on an exit). Mode b is a design proposal, measured with
-synthetic clients only (the library is unchanged): one writer per node of 8 ranks. The agent's
-node report carries each rank's heartbeat counter and progress; every 0.1 s the agent reads
-[GEN, job/flags, node_owner/<i>] in one multi_get and hands GEN/ABORT/STOP to its trainers locally
-(that local hop is not measured); on a new GEN it reads gen/<g> once for the node. Registrations,
-death reports and standby beats are also announced in append-only logs, and the coordinator
-(`AggregatedCoordinator`: the real class with its store reads batched) reads every node report
-with one multi_get and only new log entries, never one check() per rank or per agent.
-Mode a1 is today's protocol with `LinearCoordinator`: the real class with its two per-tick O(N^2)
-checks made O(N) (no protocol change), so that a/a1/b separate the coordinator's compute, its
-store round trips, and the clients' load. Mode b runs the same O(N) checks.
+connection, request for request as the product's. Mode a is the per-rank protocol (a trainer
+without an agent channel): each rank's heartbeat (every 0.2 s: add hb/<r>, set progress/<r> when
+it changed, get GEN, check ABORT, check STOP; on a new GEN its main thread reads gen/<g>) and each
+node agent (every 0.1 s: check DONE and STOP, get node_owner/<i>, set node/<i>, check evict/<r>
+per rank; a death report on an exit). Mode b is the product's protocol under `mecefo-launch`
+(heartbeats aggregated per node, `failover/local_beat.py`): one writer per node of 8 ranks. The
+agent's node report carries each rank's heartbeat counter and progress; every 0.1 s the agent
+reads [GEN, job/flags, node_owner/<i>] in one multi_get and hands GEN/ABORT/STOP to its trainers
+through a node-local file (that local hop is not measured here; tests/dist cover it), and reads its
+ranks' eviction keys on a new GEN and every 2 s; on a new GEN it reads gen/<g> once for the node
+and puts it in the folder, where its ranks read it.
+Registrations, death reports and standbys are announced in append-only logs. The coordinator is
+the product's `Coordinator` in both modes: it reads every node report with one multi_get, only new
+log entries, and the per-rank keys only of ranks no node report carries (all of them in mode a).
 
 A 2-core machine cannot generate the request rate of 16k ranks (a Python client does about 20k
 synchronous requests/s), so only `live` nodes (as many as --client-rps allows, victims included)
@@ -72,10 +72,12 @@ HB_INTERVAL_S = 0.2
 """FailoverConfig.heartbeat_interval_s (each rank's heartbeat thread)."""
 AGENT_INTERVAL_S = 0.1
 """The node agent's tick (agent.py `_watch`)."""
-FLAGS = "job/flags"
-"""Mode b: ABORT/STOP/DONE also appended here, so an agent polls one key for all three."""
-REG_LOG, DEAD_LOG, STANDBY_LOG = "reg/log", "dead/log", "standby/log"
-"""Mode b: append-only logs of ranks that registered / were reported dead, and standby ids."""
+FLAGS, REG_LOG, DEAD_LOG, STANDBY_LOG = keys.FLAGS, keys.REG_LOG, keys.DEAD_LOG, keys.STANDBY_LOG
+"""Mode b: the job flags ABORT/STOP/DONE in one key, and the append-only logs of ranks that
+registered / were reported dead and of standby ids (the product's keys)."""
+EVICT_CHECK_S = 2.0
+"""Mode b: an agent reads its ranks' eviction keys on a new generation and at least this often
+(agent.py `_tick`)."""
 GEN_LOG_RE = re.compile(r"\[coordinator\] generation (\d+): .*\((\w+)\)$", re.S)
 WAIT_GEN_S = 20.0
 """Bound on waiting for a generation (beyond the detector's own timeouts)."""
@@ -111,7 +113,9 @@ def offered_rps(mode: str, layout: Layout, *, step_s: float) -> dict[str, float]
         agent = 4 + per_node
     elif mode == "b":
         rank_rps = 0.0
-        agent = 2  # set node/<i> (hb + progress inside), multi_get [GEN, job/flags, node_owner]
+        # set node/<i> (hb + progress inside), multi_get [GEN, job/flags, node_owner]; and each
+        # rank's eviction key every EVICT_CHECK_S
+        agent = 2 + per_node * AGENT_INTERVAL_S / EVICT_CHECK_S
     else:
         raise ValueError(f"mode must be a or b, got {mode!r}")
     agent_rps = layout.nodes * agent / AGENT_INTERVAL_S
@@ -224,130 +228,9 @@ def server_cores(offered: float, us_per_request: float | None) -> float | None:
     return None if us_per_request is None else offered * us_per_request / 1e6
 
 
-# ---------------------------------------------------------------------- mode b: the coordinator
-class _DecodedNodeWatch(NodeWatch):
-    """NodeWatch fed with reports already decoded (the coordinator decodes each once)."""
-
-    def update_report(self, node: int, report: dict, now: float) -> None:
-        st = self.nodes.setdefault(node, _Node())
-        if report["seq"] != st.seq:
-            st.seq, st.changed, st.ranks = report["seq"], now, report["ranks"]
-            for rank in st.ranks:
-                self.node_of[int(rank)] = node
-
-
-class LinearCoordinator(Coordinator):
-    """The real coordinator with its two per-tick checks made O(N) instead of O(N^2), same
-    answers (unit-tested against the originals): `_is_hung` scans every member for one that is
-    ahead, for each member (16k x 16k per tick), and `_ready_to_join` looks each replica up in
-    the members tuple. No protocol change: mode a1."""
-
-    def _is_hung(self, rank: int, progress: dict, now: float) -> bool:
-        _, step, phase = progress[rank]
-        if phase == "idle":
-            return False
-        if self._front_of is not progress:  # one pass per tick (one progress dict per _detect)
-            self._front_of = progress
-            self._front = max(
-                ((s, _PHASE_ORDER.get(ph, -1)) for _, s, ph in progress.values()), default=None
-            )
-        ahead = self._front is not None and self._front > (step, _PHASE_ORDER.get(phase, -1))
-        return ahead and now - self.ranks[rank].progress_changed > self.hang_timeout_s()
-
-    def _ready_to_join(self, replica: int, now: float) -> bool:
-        if self._members_of is not self.members:
-            self._members_of, self._member_set = self.members, frozenset(self.members)
-        if replica in self._member_set:
-            return False
-        return super()._ready_to_join(replica, now)
-
-    _front_of = _members_of = None
-    _front: tuple | None = None
-    _member_set: frozenset = frozenset()
-
-
-class AggregatedCoordinator(LinearCoordinator):
-    """Mode b (a proposal): the real coordinator, with its store reads batched. Heartbeats and
-    progress come from the node reports (one multi_get for all nodes); registrations, death
-    reports and standbys are read from append-only logs, only the entries it has not seen. Its
-    detection, decisions and publication are the real class's, unchanged."""
-
-    def __init__(self, store, world_size: int, cfg: DetectorConfig, *, log=print):
-        super().__init__(store, world_size, cfg, log=log)
-        self.nodes = _DecodedNodeWatch(cfg.agent_timeout_s)
-        self._log_pos = {REG_LOG: 0, DEAD_LOG: 0, STANDBY_LOG: 0}
-        self._standby_ids: list[int] = []
-        self.spares.read = self._read_standbys
-
-    def _new_entries(self, log_key: str) -> list[int]:
-        if not self.store.check([log_key]):
-            return []
-        text = self.store.get(log_key).decode()
-        new, self._log_pos[log_key] = text[self._log_pos[log_key] :], len(text)
-        return sorted({int(x) for x in new.split(",") if x})
-
-    def _read_registrations(self) -> None:
-        seq = keys.get_int(self.store, keys.REG_SEQ, 0)
-        if seq == self._reg_seq:
-            return
-        self._reg_seq = seq
-        ranks = [r for r in self._new_entries(REG_LOG) if r in self.ranks]
-        regs = self.store.multi_get([keys.registration(r) for r in ranks]) if ranks else []
-        for rank, raw in zip(ranks, regs):
-            reg, st = json.loads(raw), self.ranks[rank]
-            if "node" in reg:  # from here on as Coordinator._read_registrations
-                st.node = int(reg["node"])
-                self._node_ids.add(st.node)
-            if reg["incarnation"] > st.incarnation >= 0:
-                self._mark_replaced(rank, st.incarnation, reg["incarnation"])
-            if reg["incarnation"] != st.incarnation:
-                st.incarnation = reg["incarnation"]
-                st.hb_value, st.hb_changed = -1, time.monotonic()
-            if self.tp is None:
-                self.tp = int(reg["tp"])
-
-    def _read_dead_reports(self) -> None:
-        seq = keys.get_int(self.store, keys.DEAD_SEQ, 0)
-        if seq == self._dead_seq:
-            return
-        self._dead_seq = seq
-        ranks = [r for r in self._new_entries(DEAD_LOG) if r in self.ranks]
-        for rank, raw in zip(
-            ranks, self.store.multi_get([keys.dead(r) for r in ranks]) if ranks else []
-        ):
-            inc, _, epoch = raw.decode().partition(":")
-            self.reported[rank] = (int(inc), float(epoch))
-
-    def _read_heartbeats(self, now: float) -> None:
-        nodes = sorted(self._node_ids)
-        names = [node_key(n) for n in nodes]
-        if not nodes or not self.store.check(names):  # every node reported once: then one read
-            return
-        for node, raw in zip(nodes, self.store.multi_get(names)):
-            report = json.loads(raw)
-            self.nodes.update_report(node, report, now)
-            for rank, entry in report["ranks"].items():
-                st = self.ranks[int(rank)]
-                if entry[0] != st.incarnation:
-                    continue
-                if entry[4] != st.hb_value:
-                    st.hb_value, st.hb_changed = entry[4], now
-                if entry[5] != st.progress:
-                    st.progress, st.progress_changed = entry[5], now
-
-    def _read_standbys(self, now: float) -> None:
-        self._standby_ids = sorted(set(self._standby_ids) | set(self._new_entries(STANDBY_LOG)))
-        if not self._standby_ids:
-            return
-        names = [keys.standby(i) for i in self._standby_ids]
-        for agent_id, raw in zip(self._standby_ids, self.store.multi_get(names)):
-            seq = json.loads(raw)["seq"]
-            if self.spares.standbys.get(agent_id, ("", 0.0))[0] != seq:
-                self.spares.standbys[agent_id] = (seq, now)
-
-
-COORDINATORS = {"a": Coordinator, "a1": LinearCoordinator, "b": AggregatedCoordinator}
-"""Mode -> the coordinator class it runs; the clients speak protocol a (modes a, a1) or b."""
+COORDINATORS = {"a": Coordinator, "b": Coordinator}
+"""Mode -> the coordinator class it runs (the product's, in both); the clients speak protocol a
+(per-rank heartbeats) or b (aggregated per node)."""
 
 
 class CountingStore:
@@ -415,6 +298,7 @@ class _Worker:
         self.agent_on = dict.fromkeys(self.live, True)
         self.report_seq = dict.fromkeys(self.live, 0)
         self.dying: dict[int, list[int]] = {n: [] for n in self.live}  # killed, reported next tick
+        self.evict_checked: dict[int, float] = {}  # mode b: node -> when its evictions were read
         self.token: dict[int, int] = {}
         self.seen: dict[int, int] = {}
         self.pending: dict[int, set[int]] = {}
@@ -537,6 +421,17 @@ class _Worker:
         s.set(node_key(node), self._report(node, now, dying))
         gen = int(s.multi_get([keys.GEN, FLAGS, keys.node_owner(node)])[0])
         self.requests += 2
+        if now - self.evict_checked.get(node, 0.0) > EVICT_CHECK_S or gen > self.seen.get(
+            client, 0
+        ):
+            self.evict_checked[node] = now
+            for r in self.layout.node_ranks(node):
+                if self.alive[r]:
+                    self.requests += 1
+                    if s.check([keys.evict(r)]):
+                        self.requests += 1
+                        if int(s.get(keys.evict(r))) == self.inc[r]:
+                            self._kill(r, node, now)
         for r in dying:  # the log entry before the counter: the coordinator reads seq, then log
             s.set(keys.dead(r), f"{self.inc[r]}:{time.time()}")
             s.append(DEAD_LOG, f"{r},")
@@ -590,7 +485,8 @@ class _Worker:
 
     def _saw(self, client: int, gen: int) -> None:
         """`client` read GEN = `gen` > the newest it knew: it reads the record (mode a: the rank's
-        main thread; mode b: the agent, once for its node, and stops ranks of removed replicas)."""
+        main thread; mode b: the agent, once for its node: its ranks read the agent's copy; ranks
+        of a removed replica stop)."""
         t_seen = time.monotonic()
         prev, self.seen[client] = self.seen.get(client, 0), gen
         new = [g for g in range(prev + 1, gen + 1) if g not in self.done_gens]
@@ -1210,7 +1106,7 @@ def _project(res: dict, args) -> None:
     calib = res.get("calibration", {})
     us = calib.get("protocol", {}).get("server_us_per_request")
     us_record = calib.get("record", {}).get("server_us_per_request")
-    readers = layout.ranks if protocol == "a" else layout.nodes
+    readers = layout.ranks if protocol == "a" else layout.nodes  # b: the agent, for its node
     res["projected"] = {
         "offered_requests_per_s": offered,
         "server_cores_needed": server_cores(offered["total"], us),
@@ -1361,9 +1257,9 @@ def format_tables(rows: list[dict]) -> str:
 
 
 LEGEND = """\
-modes:   a = today's protocol and coordinator; a1 = today's protocol, coordinator with its two
-         O(N^2) checks made O(N); b = per-node aggregation (one writer per node) + batched
-         coordinator reads + the a1 fixes (a proposal; synthetic clients only)
+modes:   a = per-rank heartbeats to the store (a trainer without an agent channel);
+         b = the product's protocol under mecefo-launch: heartbeats aggregated per node (one
+         writer per node); the product's coordinator in both
 load:    offered/s = store requests/s of all N ranks by the protocol (computed); served/s =
          measured (live clients + bulk multi_sets + coordinator); srv% = store process CPU in the
          steady window; us/req = store CPU per protocol request (calibration, measured);

@@ -202,7 +202,7 @@ TOOLS = (
         "control_plane",
         "control plane under a 16k-rank load (synthetic clients)",
         "tools/bench/control_plane.py",
-        (),  # 1k, 4k and 16k ranks, modes a, a1 and b
+        (),  # 1k, 4k and 16k ranks, modes a and b
         ("--ranks", "16384"),
     ),
     Tool(
@@ -1182,9 +1182,8 @@ def section_node_loss(ctx: ReportContext) -> list[str]:
 
 
 CONTROL_PLANE_MODES = {
-    "a": "today's protocol and coordinator",
-    "a1": "today's protocol, the coordinator's two O(N^2) checks made O(N)",
-    "b": "per-node aggregation with batched coordinator reads (a proposal; synthetic clients only)",
+    "a": "per-rank heartbeats to the store (a trainer without an agent channel)",
+    "b": "the product's protocol under mecefo-launch: heartbeats aggregated per node",
 }
 
 

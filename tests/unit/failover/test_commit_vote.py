@@ -29,6 +29,8 @@ _KEEP_ALIVE: list = []
 @dataclasses.dataclass
 class _Beat:
     latest_gen: int = 1
+    job_done: bool = False
+    beat_dir: None = None  # no agent: records come from the store
 
 
 def _setup(tp):

@@ -29,8 +29,7 @@ def register(store, rank, inc=0, tp=1, world=4):
     store.set(keys.progress(rank), f"{inc}:-1:idle")
     store.add(keys.heartbeat(rank), 1)
     reg = {"incarnation": inc, "pid": 1, "host": "h", "tp": tp, "world": world}
-    store.set(keys.registration(rank), json.dumps(reg))
-    store.add(keys.REG_SEQ, 1)
+    keys.register(store, rank, json.dumps(reg))
 
 
 def run_ticks(c, store, *, beating, seconds):

@@ -92,8 +92,7 @@ def _register_on_node(store):
     for r in range(4):
         register(store, r)
         reg = json.loads(store.get(keys.registration(r)))
-        store.set(keys.registration(r), json.dumps({**reg, "node": 0}))
-    store.add(keys.REG_SEQ, 1)
+        keys.register(store, r, json.dumps({**reg, "node": 0}))
 
 
 def test_silent_but_running_rank_is_slow_until_the_hard_timeout(store):
@@ -276,3 +275,31 @@ def test_an_event_whose_poster_died_midway_does_not_block_the_rest(store, tmp_pa
     c.close()
     rows = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(r["type"], r["seq"]) for r in rows] == [("abort", 2)]
+
+
+def _aggregated_report(store, seq: int, beats: dict[int, int], state: str = "S") -> None:
+    entries = {str(r): [0, 1, state, 1, b, "0:3:compute"] for r, b in beats.items()}
+    store.set(node_key(0), json.dumps({"seq": seq, "ranks": entries}))
+
+
+def test_aggregated_beats_count_and_a_stalled_agent_hands_over_to_the_ranks_keys(store):
+    """Beats come from the node report while it moves; when the agent stalls the coordinator
+    reads the ranks' own keys (they beat there meanwhile): the live ranks stay, the one that
+    stopped beating is dead at the soft timeout, and switching sources is no beat."""
+    c = make(store, heartbeat_timeout_s=1.6, heartbeat_hard_timeout_s=30, agent_timeout_s=30)
+    _register_on_node(store)
+    c.tick()
+    seq, start = 1, time.monotonic()
+    while time.monotonic() - start < 0.6:  # the agent reports beats of every rank
+        seq += 1
+        _aggregated_report(store, seq, dict.fromkeys(range(4), seq))
+        c.tick()
+        time.sleep(0.02)
+    assert {c.ranks[r].hb_source for r in range(4)} == {"agent"}
+    assert c.ranks[2].progress == "0:3:compute" and members(store) == (1, [0, 1, 2, 3])
+    # the agent stalls (its report frozen); ranks 0, 1, 3 beat to their own keys, rank 2 died
+    run_ticks(c, store, beating=(0, 1, 3), seconds=2.0)  # switching counted as a beat: 2.1 s+
+    assert c.ranks[0].hb_source == "store"
+    assert members(store) == (2, [0, 1, 3])
+    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    assert fail["ranks"] == [2] and "no heartbeat" in fail["detail"]

@@ -20,6 +20,7 @@ RANKS = {0: {0: 0, 1: 0}, 1: {2: 0, 3: 0}}
 def _standby(store, agent_id: int, seq: int) -> None:
     if keys.get_int(store, keys.AGENT_IDS) < agent_id:
         store.add(keys.AGENT_IDS, 1)
+        store.append(keys.STANDBY_LOG, f"{agent_id},")
     store.set(keys.standby(agent_id), json.dumps({"seq": seq}))
 
 
@@ -80,3 +81,21 @@ def test_a_restarted_coordinator_finishes_a_replacement_in_flight(store):
     assert again.lost[1]["standby"] == 1
     again.tick(1.6, watch, RANKS, lambda n, a: n == 1, step=2)
     assert [e["type"] for e in posted_events(store)].count("node_replaced") == 1
+
+
+def test_a_replaced_node_is_at_full_strength_once_its_ranks_train(store):
+    from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
+
+    c = Coordinator(store, 4, DetectorConfig(), log=lambda m: None)
+    c.tp, c.members, c.job_step = 1, (0, 1, 2), 20
+    for r, inc in ((2, 1), (3, 1)):
+        c.ranks[r].incarnation, c.ranks[r].progress = inc, f"{inc}:-1:idle"
+    at_loss = {2: 0, 3: 0}
+    assert not c._trains_again(at_loss)  # rank 3's replica is not a member yet
+    c.members = (0, 1, 2, 3)
+    assert not c._trains_again(at_loss)  # admitted (at job step 20) but receiving the state
+    c.ranks[2].progress, c.ranks[3].progress = "1:20:compute", "1:21:compute"
+    assert not c._trains_again(at_loss)  # rank 2 still in the step it was admitted at
+    c.ranks[2].progress = "1:21:reduce"
+    assert c._trains_again(at_loss)
+    assert not c._trains_again({2: 0, 3: 1})  # rank 3 in the incarnation that was lost

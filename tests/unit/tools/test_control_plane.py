@@ -87,7 +87,8 @@ def test_offered_rps_counts_every_request_of_each_protocol():
     assert a["agents"] == pytest.approx(2048 * 12 / 0.1)
     assert a["total"] == pytest.approx(671744)
     b = cp.offered_rps("b", layout, step_s=2.0)
-    assert b == {"ranks": 0.0, "agents": pytest.approx(40960), "total": pytest.approx(40960)}
+    # 2048 nodes x (set + multi_get + 8 eviction checks every 2 s) / 0.1 s
+    assert b == {"ranks": 0.0, "agents": pytest.approx(49152), "total": pytest.approx(49152)}
     with pytest.raises(ValueError):
         cp.offered_rps("c", layout, step_s=2.0)
 
@@ -160,42 +161,12 @@ def test_node_reports_in_both_formats():
     assert cp.progress_now(100.0, 2.0, 105.6) == "2:reduce"
 
 
-# ------------------------------------------------------------------- coordinator variants
-def test_linear_checks_answer_as_the_originals():
-    rng = random.Random(7)
-    for trial in range(30):
-        world = 32
-        orig = Coordinator(MemStore(), world, DetectorConfig(), log=lambda m: None)
-        lin = cp.LinearCoordinator(MemStore(), world, DetectorConfig(), log=lambda m: None)
-        now = 1000.0
-        members = tuple(sorted(rng.sample(range(8), rng.randint(0, 8))))
-        for c in (orig, lin):
-            c.tp, c.members = 4, members
-        texts = {}
-        for r in range(world):
-            step = rng.choice([5, 6, 7]) if trial % 3 else 6
-            phase = rng.choice(["compute", "reduce", "idle"])
-            texts[r] = f"0:{step}:{phase}"
-            changed = now - rng.choice([1.0, 20.0])
-            hb = rng.choice([-1, 3])
-            inc, evicted = rng.choice([(0, -1), (1, 0), (0, 0), (-1, -1)])
-            for c in (orig, lin):
-                st = c.ranks[r]
-                st.progress, st.progress_changed = texts[r], changed
-                st.hb_value, st.hb_changed = hb, now - rng.choice([0.5, 5.0]) if hb >= 0 else now
-                st.incarnation, st.evicted_incarnation = inc, evicted
-        progress = {r: _parse_progress(t) for r, t in texts.items()}
-        for r in range(world):
-            assert lin._is_hung(r, progress, now) == orig._is_hung(r, progress, now)
-        for rep in range(8):
-            assert lin._ready_to_join(rep, now) == orig._ready_to_join(rep, now)
-
-
+# ------------------------------------------------------------------- the coordinator, mode b
 def _mode_b(tmp_path: Path, ranks: int, cls=None):
     layout = cp.Layout(ranks, 8)
     store = cp.CountingStore(MemStore())
     cp._populate(store, "b", layout, str(tmp_path), 8)
-    cls = cls or cp.AggregatedCoordinator
+    cls = cls or Coordinator
     coord = cls(store, ranks, DetectorConfig(grace_s=0.0), log=lambda m: None)
     coord.restore()
     return layout, store, coord
@@ -252,19 +223,42 @@ def _hb_tick_requests(coord, store) -> int:
     return max(counts)  # the tick that reads heartbeats
 
 
-def test_aggregated_reads_do_not_grow_with_ranks_but_todays_do(tmp_path):
-    small = _hb_tick_requests(*reversed(_mode_b(tmp_path, 64)[1:]))
-    large = _hb_tick_requests(*reversed(_mode_b(tmp_path, 512)[1:]))
-    assert small == large < 20
-    # today's coordinator (mode a keys): one check per node report and one per agent id, per read
+class _KeyLog:
+    """Records every key the coordinator asks the store for."""
+
+    def __init__(self, store):
+        self.store, self.keys = store, []
+        for name in cp.CountingStore.OPS:
+            setattr(self, name, self._wrap(getattr(store, name)))
+
+    @property
+    def requests(self) -> int:
+        return self.store.requests
+
+    def _wrap(self, fn):
+        def call(names, *args):
+            self.keys += names if isinstance(names, list) else [names]
+            return fn(names, *args)
+
+        return call
+
+
+def test_aggregated_reads_do_not_grow_with_ranks_and_read_no_rank_key(tmp_path):
     counts = {}
-    for ranks in (64, 512):
-        store = cp.CountingStore(MemStore())
-        cp._populate(store, "a", cp.Layout(ranks, 8), str(tmp_path), 8)
-        coord = Coordinator(store, ranks, DetectorConfig(), log=lambda m: None)
-        coord.restore()
-        counts[ranks] = _hb_tick_requests(coord, store)
-    assert counts[512] - counts[64] == 2 * (512 - 64) // 8
+    for mode in ("a", "b"):
+        for ranks in (64, 512):
+            store = cp.CountingStore(MemStore())
+            cp._populate(store, mode, cp.Layout(ranks, 8), str(tmp_path), 8)
+            logged = _KeyLog(store)
+            coord = Coordinator(logged, ranks, DetectorConfig(), log=lambda m: None)
+            coord.restore()
+            logged.keys.clear()
+            counts[mode, ranks] = _hb_tick_requests(coord, logged)
+            per_rank = [k for k in logged.keys if k.startswith(("hb/", "progress/", "reg/0"))]
+            # mode b: the node reports carry every beat: no request names a rank's key
+            assert (mode == "b") == (not per_rank), (mode, per_rank[:3])
+    assert counts["b", 64] == counts["b", 512] < 20
+    assert counts["a", 64] == counts["a", 512] < 20  # batched too, but N keys in each multi_get
 
 
 def test_tables_render_missing_values(tmp_path):

@@ -1,0 +1,211 @@
+"""Aggregated heartbeats: the trainer's beat through its node agent's folder, the agent's node
+report carrying it, and the control file carrying generation, abort and stop back."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import types
+
+import pytest
+
+from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.failover import keys, local_beat
+from megatron_mecefo.failover.agent import Agent
+from megatron_mecefo.failover.heartbeat import Heartbeat
+from megatron_mecefo.failover.liveness import node_key
+from megatron_mecefo.training.stop import StopFlag
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_beats_of_the_current_incarnation_only(tmp_path):
+    local_beat.write_beat(tmp_path, 3, 1, 7, "1:5:compute", None)
+    local_beat.write_beat(tmp_path, 4, 0, 2, "0:5:reduce", "SIGUSR1")
+    beats = local_beat.read_beats(tmp_path, {3: 1, 4: 1, 5: 0})
+    assert list(beats) == [3]  # rank 4's file is its previous incarnation's, rank 5 has none
+    assert beats[3] == {"inc": 1, "beats": 7, "progress": "1:5:compute", "stop": None}
+    local_beat.write_control(tmp_path, local_beat.Control(seq=4, gen=2, stop="node 0: x"))
+    assert local_beat.read_control(tmp_path) == local_beat.Control(seq=4, gen=2, stop="node 0: x")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp left
+
+
+def _address(store) -> str:
+    return f"127.0.0.1:{store.port}"
+
+
+def _heartbeat(store, tmp_path, **kw) -> tuple[Heartbeat, list]:
+    hb = Heartbeat(
+        _address(store),
+        2,
+        interval_s=0.05,
+        coordinator_timeout_s=kw.pop("coordinator_timeout_s", 5.0),
+        incarnation=1,
+        beat_dir=str(tmp_path),
+        **kw,
+    )
+    exits: list = []
+
+    def fake_exit(code, message):
+        exits.append((code, message))
+        hb.stop()  # the loop ends at its next wait, as os._exit would end the process
+
+    hb._exit = fake_exit
+    return hb, exits
+
+
+def _wait(cond, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def test_heartbeat_goes_to_the_agent_and_takes_the_job_state_from_it(store, tmp_path):
+    flag = StopFlag()
+    hb, exits = _heartbeat(store, tmp_path, stop_flag=flag)
+    hb.progress = "1:4:compute"
+    hb.start()
+    try:
+        _wait(lambda: (local_beat.read_beats(tmp_path, {2: 1}).get(2) or {}).get("beats", 0) >= 2)
+        beat = local_beat.read_beats(tmp_path, {2: 1})[2]
+        assert beat["progress"] == "1:4:compute" and beat["stop"] is None
+        # no request per beat reaches the store: its heartbeat key holds the start-up add only
+        assert int(store.get(keys.heartbeat(2))) == 1
+        local_beat.write_control(tmp_path, local_beat.Control(seq=1, gen=6))
+        _wait(lambda: hb.latest_gen == 6)
+        local_beat.write_control(tmp_path, local_beat.Control(seq=2, gen=6, stop="node 1: SIGUSR1"))
+        _wait(lambda: flag.is_set)
+        assert flag.reason == "node 1: SIGUSR1"
+        local_beat.write_control(tmp_path, local_beat.Control(seq=3, gen=7, abort="too few"))
+        _wait(lambda: bool(exits))
+        assert exits[0][0] == ExitCode.JOB_ABORTED and "too few" in exits[0][1]
+    finally:
+        hb.stop()
+        hb.join(5)
+
+
+def test_a_local_stop_request_rides_on_the_beat(store, tmp_path):
+    flag = StopFlag()
+    hb, _ = _heartbeat(store, tmp_path, stop_flag=flag)
+    hb.start()
+    try:
+        local_beat.write_control(tmp_path, local_beat.Control(seq=1, gen=1))
+        flag.request("SIGUSR1")
+        _wait(lambda: (local_beat.read_beats(tmp_path, {2: 1}).get(2) or {}).get("stop"))
+        assert not store.check([keys.STOP])  # the agent posts it, not the rank
+    finally:
+        hb.stop()
+        hb.join(5)
+
+
+def test_a_stalled_agent_makes_the_rank_beat_to_the_store_until_it_moves(store, tmp_path):
+    hb, exits = _heartbeat(store, tmp_path)
+    hb.start()
+    try:
+        for seq in range(1, 8):  # the agent ticks every 0.1 s: nothing goes to the store
+            local_beat.write_control(tmp_path, local_beat.Control(seq=seq, gen=1))
+            time.sleep(0.1)
+        assert int(store.get(keys.heartbeat(2))) == 1
+        store.set(keys.GEN, "4")
+        _wait(lambda: int(store.get(keys.heartbeat(2))) >= 3, timeout_s=3.0)  # frozen > 0.5 s
+        assert hb.latest_gen == 4 and store.get(keys.progress(2)) == b"idle"
+        counts = []
+        for seq in range(9, 17):  # the agent moves again: back to the agent only
+            local_beat.write_control(tmp_path, local_beat.Control(seq=seq, gen=4))
+            time.sleep(0.1)
+            counts.append(int(store.get(keys.heartbeat(2))))
+        assert counts[2] == counts[-1] and not exits, counts
+    finally:
+        hb.stop()
+        hb.join(5)
+
+
+def _fake_agent(store, tmp_path, procs) -> types.SimpleNamespace:
+    fake = types.SimpleNamespace(
+        store=store,
+        node=0,
+        agent_id=3,
+        report_seq=0,
+        beat_dir=tmp_path,
+        procs=procs,
+        incarnation=dict.fromkeys(procs, 1),
+        record_gen=10**9,  # records: their own test
+    )
+    fake._report_liveness = lambda *a: Agent._report_liveness(fake, *a)
+    return fake
+
+
+def test_the_agent_aggregates_beats_and_relays_the_flags(store, tmp_path):
+    keys.control_keys(store)
+    me = types.SimpleNamespace(pid=os.getpid())
+    agent = _fake_agent(store, tmp_path, {0: me, 1: me})
+    local_beat.write_beat(tmp_path, 0, 1, 9, "1:3:reduce", None)
+    agent._report_liveness(4, store.get(keys.FLAGS), False)
+    report = json.loads(store.get(node_key(0)))
+    assert report["ranks"]["0"][4:] == [9, "1:3:reduce"]
+    assert len(report["ranks"]["1"]) == 4  # no beat yet: /proc only (per-rank keys apply)
+    control = local_beat.read_control(tmp_path)
+    assert (control.seq, control.gen, control.abort, control.stop) == (1, 4, None, None)
+    # rank 1 was asked to stop: the agent raises the job's flag once, for every member
+    local_beat.write_beat(tmp_path, 1, 1, 1, "1:3:compute", "SIGUSR1")
+    agent._report_liveness(4, store.get(keys.FLAGS), False)
+    assert store.get(keys.STOP).decode() == "rank 1: SIGUSR1"
+    assert keys.flag_raised(store.get(keys.FLAGS), keys.STOP)
+    assert local_beat.read_control(tmp_path).stop == "rank 1: SIGUSR1"
+    keys.raise_flag(store, keys.ABORT, "no state")
+    agent._report_liveness(5, store.get(keys.FLAGS), True)
+    control = local_beat.read_control(tmp_path)
+    assert (control.seq, control.gen, control.abort) == (3, 5, "no state")
+
+
+def test_control_keys_exist_once_and_keep_their_values(store):
+    keys.control_keys(store)
+    assert store.multi_get([keys.GEN, keys.FLAGS]) == [b"0", b""]
+    store.set(keys.GEN, "3")
+    keys.raise_flag(store, keys.DONE, "1")
+    keys.control_keys(store)  # a second agent starting later changes nothing
+    assert store.get(keys.GEN) == b"3" and keys.flag_raised(store.get(keys.FLAGS), keys.DONE)
+    assert not keys.flag_raised(store.get(keys.FLAGS), keys.ABORT)
+
+
+def test_threads_beat_concurrently_without_torn_reads(tmp_path):
+    stop = threading.Event()
+
+    def writer():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            local_beat.write_beat(tmp_path, 0, 0, n, "0:1:compute" * 20, None)
+
+    t = threading.Thread(target=writer)
+    t.start()
+    try:
+        for _ in range(300):
+            beat = local_beat.read_beats(tmp_path, {0: 0}).get(0)
+            assert beat is None or beat["progress"] == "0:1:compute" * 20
+    finally:
+        stop.set()
+        t.join()
+
+
+def test_records_are_kept_for_the_last_two_generations(tmp_path):
+    for gen in (1, 2, 3):
+        local_beat.write_record(tmp_path, gen, json.dumps({"members": [gen]}).encode())
+    assert local_beat.read_record(tmp_path, 1) is None
+    assert json.loads(local_beat.read_record(tmp_path, 3)) == {"members": [3]}
+    assert local_beat.read_record(tmp_path, 2) is not None
+
+
+def test_the_agent_fetches_each_new_record_once_for_the_node(store, tmp_path):
+    keys.control_keys(store)
+    store.set(keys.gen_record(2), json.dumps({"members": [0, 1]}))
+    agent = _fake_agent(store, tmp_path, {})
+    agent.record_gen = 0  # none yet
+    agent._report_liveness(2, store.get(keys.FLAGS), False)
+    assert json.loads(local_beat.read_record(tmp_path, 2)) == {"members": [0, 1]}
+    store.set(keys.gen_record(2), json.dumps({"members": ["changed"]}))
+    agent._report_liveness(2, store.get(keys.FLAGS), False)  # same generation: not read again
+    assert json.loads(local_beat.read_record(tmp_path, 2)) == {"members": [0, 1]}

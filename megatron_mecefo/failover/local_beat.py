@@ -102,7 +102,7 @@ def write_record(folder: Path, gen: int, raw: bytes) -> None:
 
 
 def read_record(folder: Path, gen: int) -> bytes | None:
-    """Trainer side: generation `gen`'s record if the agent fetched it (else None: ask the store)."""
+    """Trainer side: generation `gen`'s record if the agent fetched it (None: ask the store)."""
     try:
         return (folder / f"gen{gen}").read_bytes()
     except OSError:

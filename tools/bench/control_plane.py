@@ -62,11 +62,10 @@ if str(ROOT) not in sys.path:
 
 from megatron_mecefo.failover import keys  # noqa: E402 - after the path fix (no torch import)
 from megatron_mecefo.failover.coordinator import (  # noqa: E402
-    _PHASE_ORDER,
     Coordinator,
     DetectorConfig,
 )
-from megatron_mecefo.failover.liveness import NodeWatch, _Node, node_key  # noqa: E402
+from megatron_mecefo.failover.liveness import node_key  # noqa: E402
 
 HB_INTERVAL_S = 0.2
 """FailoverConfig.heartbeat_interval_s (each rank's heartbeat thread)."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mecefo.failover import keys
-from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig, _parse_progress
+from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
 from megatron_mecefo.failover.liveness import NodeWatch, node_key
 
 ROOT = Path(__file__).resolve().parents[3]

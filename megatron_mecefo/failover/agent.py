@@ -142,9 +142,8 @@ class Agent:
         self.beat_dir: Path | None = None  # the node-local heartbeat channel (aggregated beats)
         if os.environ.get(local_beat.AGGREGATE_ENV, "1") != "0":
             self.beat_dir = local_beat.make_folder()
-        self.gen_seen = -1  # GEN at the last eviction check
+        self.evict_seq_seen = b""  # keys.EVICT_SEQ at the last eviction check
         self.record_gen = 0  # the newest generation record written to the beat folder
-        self.evict_checked = 0.0  # when evictions were last read
         self.standby_logged = False
         keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
@@ -278,9 +277,9 @@ class Agent:
         self.stop_reason = self.stop_reason or reason
 
     def _tick(self) -> int | None:
-        # GEN, the job's flags and this node's owner in one request (see keys.FLAGS)
-        gen_raw, flags, owner = self.store.multi_get(
-            [keys.GEN, keys.FLAGS, keys.node_owner(self.node)]
+        # GEN, the job's flags, the eviction counter and this node's owner in one request
+        gen_raw, flags, evict_seq, owner = self.store.multi_get(
+            [keys.GEN, keys.FLAGS, keys.EVICT_SEQ, keys.node_owner(self.node)]
         )
         stop_set = keys.flag_raised(flags, keys.STOP)
         if self.stop_reason is not None and not stop_set:
@@ -293,9 +292,8 @@ class Agent:
             return None
         gen = int(gen_raw)
         self._report_liveness(gen, flags, stop_set)
-        check_evictions = gen != self.gen_seen or time.monotonic() - self.evict_checked > 2.0
-        if check_evictions:  # the coordinator sets evictions before the generation that drops them
-            self.gen_seen, self.evict_checked = gen, time.monotonic()
+        check_evictions = evict_seq != self.evict_seq_seen  # only when one was set since
+        self.evict_seq_seen = evict_seq
         if self.smp is not None and self.smp.poll() is not None and not done:
             self.log(f"the snapshot process exited ({self.smp.returncode}); restarting it")
             self._start_smp()

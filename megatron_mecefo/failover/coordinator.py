@@ -135,6 +135,7 @@ class Coordinator:
         self._log_pos: dict[str, int] = {}  # REG_LOG / DEAD_LOG -> characters read so far
         self._member_set: tuple[tuple, frozenset] = ((), frozenset())
         self._admitted_at: dict[tuple[int, int], int] = {}  # (rank, inc) of a replacement -> step
+        self._all_silent = False  # every member silent at once (logged when it starts)
         self._last_tick: float | None = None  # when the previous tick ended
         self._front: tuple[int, int] | None = None  # furthest (step, phase) among members
         self._front_of: dict | None = None  # the progress map `_front` was computed from
@@ -345,6 +346,18 @@ class Coordinator:
         self._read_dead_reports()
         member_ranks = self._member_ranks()
         progress = {r: _parse_progress(self.ranks[r].progress) for r in member_ranks}
+        soft = self.cfg.heartbeat_timeout_s
+        all_silent = bool(member_ranks) and all(
+            now - self.ranks[r].hb_changed > soft for r in member_ranks
+        )
+        if all_silent != self._all_silent:
+            self._all_silent = all_silent
+            if all_silent:
+                self.log(
+                    "[coordinator] every member is silent at once: a stalled control plane (store, "
+                    "host) looks the same and acting gains nothing, so silence alone waits for the "
+                    f"hard timeout ({self.cfg.heartbeat_hard_timeout_s:.0f} s)"
+                )
         for rank in member_ranks:
             if rank in self.pending:
                 continue
@@ -355,7 +368,7 @@ class Coordinator:
             if inc == st.incarnation:
                 reason, failed_at = "process exited", epoch
             if reason is None:
-                reason = self._silence(rank, st, now)
+                reason = self._silence(rank, st, now, all_silent=all_silent)
                 if reason is not None:
                     failed_at -= now - st.hb_changed
             if reason is None and self._is_hung(rank, progress, now):
@@ -366,11 +379,21 @@ class Coordinator:
                 if self.first_detection is None:
                     self.first_detection = now
 
-    def _silence(self, rank: int, st: _RankState, now: float) -> str | None:
-        """Why `rank`'s heartbeat silence makes it dead, or None while it does not (yet)."""
+    def _silence(
+        self, rank: int, st: _RankState, now: float, *, all_silent: bool = False
+    ) -> str | None:
+        """Why `rank`'s heartbeat silence makes it dead, or None while it does not (yet). When
+        every member is silent at once, only the kernel's evidence (stopped, gone) or the hard
+        timeout decides."""
         silent = now - st.hb_changed
         if silent <= self.cfg.heartbeat_timeout_s:
             st.slow_since = None
+            return None
+        if (
+            all_silent
+            and silent <= self.cfg.heartbeat_hard_timeout_s
+            and not self.nodes.kernel_says_gone(rank, st.incarnation)
+        ):
             return None
         verdict, why = self.nodes.verdict(rank, st.incarnation, now, silent_since=st.hb_changed)
         if verdict is Verdict.SLOW and silent <= self.cfg.heartbeat_hard_timeout_s:
@@ -485,7 +508,7 @@ class Coordinator:
                 st = self.ranks[rank]
                 if rep not in failed_replicas:  # checkpoint-restart mode: restarted with the job
                     st.evicted_incarnation = st.incarnation
-                    self.store.set(keys.evict(rank), str(st.incarnation))
+                    keys.set_eviction(self.store, rank, st.incarnation)
                     self.log(f"[coordinator] rank {rank} (replica {rep}) restarts with the job")
                     continue
                 failed_at, reason = self.pending.get(rank, (detected, "TP peer of a lost rank"))
@@ -499,7 +522,7 @@ class Coordinator:
                     failed_at, reason = min(failed_at, float(epoch)), f"injected {kind}: {reason}"
                     self.pending[rank] = (failed_at, reason)
                 self.pending.setdefault(rank, (failed_at, reason))
-                self.store.set(keys.evict(rank), str(inc))
+                keys.set_eviction(self.store, rank, inc)
                 common = dict(step=max(self.job_step, 0), dp_rank=rep, ranks=[rank])
                 keys.post_event(self.store, "failure", epoch_s=failed_at, detail=reason, **common)
                 keys.post_event(

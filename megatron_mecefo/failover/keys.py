@@ -67,6 +67,9 @@ REG_LOG = "reg/log"
 the entries it has not seen (no request per rank)."""
 DEAD_LOG = "dead/log"
 """Ranks reported dead, appended as "<rank>," before DEAD_SEQ moves."""
+EVICT_SEQ = "evict/seq"
+"""Bumped after every eviction key the coordinator sets: an agent reads its ranks' eviction keys
+only when it moved (it reads this with GEN and FLAGS in its one multi_get)."""
 STANDBY_LOG = "standby/log"
 """Ids of the agents that stood by at some time, appended as "<id>,"; their beats are under
 `standby(id)`."""
@@ -192,6 +195,12 @@ def register(store, rank: int, registration_json: str) -> None:
     store.add(REG_SEQ, 1)
 
 
+def set_eviction(store, rank: int, incarnation: int) -> None:
+    """Tell `rank`'s agent to SIGKILL that incarnation (see EVICT_SEQ for the order)."""
+    store.set(evict(rank), str(incarnation))
+    store.add(EVICT_SEQ, 1)
+
+
 def raise_flag(store, key: str, value: str) -> None:
     """Set one of the job-wide flags ABORT, STOP or DONE, and list it in FLAGS."""
     store.set(key, value)
@@ -205,10 +214,11 @@ def flag_raised(flags: bytes | str, key: str) -> bool:
 
 
 def control_keys(store) -> None:
-    """Create GEN and FLAGS if absent, so that they can be read in one multi_get (which waits
-    for keys that do not exist). Idempotent; any process may call it."""
+    """Create GEN, FLAGS and EVICT_SEQ if absent, so that they can be read in one multi_get
+    (which waits for keys that do not exist). Idempotent; any process may call it."""
     store.compare_set(GEN, "", "0")
     store.compare_set(FLAGS, "", "")
+    store.compare_set(EVICT_SEQ, "", "0")
 
 
 def new_log_entries(store, log_key: str, seen_chars: int) -> tuple[list[int], int]:

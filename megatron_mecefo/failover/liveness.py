@@ -113,6 +113,15 @@ class NodeWatch:
         for st in self.nodes.values():
             st.changed = now
 
+    def kernel_says_gone(self, rank: int, incarnation: int) -> bool:
+        """The agent's last report shows this incarnation stopped, a zombie, absent, or replaced:
+        evidence of its own, whatever the report's age (unlike a report that merely stopped)."""
+        node = self.node_of.get(rank)
+        if node is None:
+            return False
+        entry = self.nodes[node].ranks.get(str(rank))
+        return entry is None or entry[0] > incarnation or entry[2] in GONE_STATES
+
     def verdict(
         self, rank: int, incarnation: int, now: float, *, silent_since: float = float("-inf")
     ) -> tuple[Verdict, str]:

@@ -14,16 +14,15 @@ is driven in-process so that every tick can be timed and its store requests coun
 Clients are worker processes, each driving many logical ranks and node agents over one store
 connection, request for request as the product's. Mode a is the per-rank protocol (a trainer
 without an agent channel): each rank's heartbeat (every 0.2 s: add hb/<r>, set progress/<r> when
-it changed, get GEN, check ABORT, check STOP; on a new GEN its main thread reads gen/<g>) and each
-node agent (every 0.1 s: check DONE and STOP, get node_owner/<i>, set node/<i>, check evict/<r>
-per rank; a death report on an exit). Mode b is the product's protocol under `mecefo-launch`
+it changed, get GEN, check ABORT, check STOP; on a new GEN its main thread reads gen/<g>), beside
+the same node agents as in b. Mode b is the product's protocol under `mecefo-launch`
 (heartbeats aggregated per node, `failover/local_beat.py`): one writer per node of 8 ranks. The
 agent's node report carries each rank's heartbeat counter and progress; every 0.1 s the agent
-reads [GEN, job/flags, node_owner/<i>] in one multi_get and hands GEN/ABORT/STOP to its trainers
-through a node-local file (that local hop is not measured here; tests/dist cover it), and reads its
-ranks' eviction keys on a new GEN and every 2 s; on a new GEN it reads gen/<g> once for the node
-and puts it in the folder, where its ranks read it.
-Registrations, death reports and standbys are announced in append-only logs. The coordinator is
+reads [GEN, job/flags, evict/seq, node_owner/<i>] in one multi_get, hands GEN/ABORT/STOP to its
+trainers through a node-local file (that local hop is not measured here; tests/dist cover it),
+and reads its ranks' eviction keys only when evict/seq moved; on a new GEN it reads gen/<g> once
+for the node and puts it in the folder, where its ranks read it. Registrations, death reports
+and standbys are announced in append-only logs. The coordinator is
 the product's `Coordinator` in both modes: it reads every node report with one multi_get, only new
 log entries, and the per-rank keys only of ranks no node report carries (all of them in mode a).
 
@@ -74,9 +73,6 @@ AGENT_INTERVAL_S = 0.1
 FLAGS, REG_LOG, DEAD_LOG, STANDBY_LOG = keys.FLAGS, keys.REG_LOG, keys.DEAD_LOG, keys.STANDBY_LOG
 """Mode b: the job flags ABORT/STOP/DONE in one key, and the append-only logs of ranks that
 registered / were reported dead and of standby ids (the product's keys)."""
-EVICT_CHECK_S = 2.0
-"""Mode b: an agent reads its ranks' eviction keys on a new generation and at least this often
-(agent.py `_tick`)."""
 GEN_LOG_RE = re.compile(r"\[coordinator\] generation (\d+): .*\((\w+)\)$", re.S)
 WAIT_GEN_S = 20.0
 """Bound on waiting for a generation (beyond the detector's own timeouts)."""
@@ -104,19 +100,15 @@ def offered_rps(mode: str, layout: Layout, *, step_s: float) -> dict[str, float]
     """Store requests per second the clients of N ranks send in steady state under protocol
     `mode` (a or b), from its exact sequence (see the module docstring); progress changes twice
     per training step. The coordinator's own requests are not included (they are measured)."""
-    per_node = layout.ranks_per_node
     if mode == "a":
         beat = 5  # add hb, check GEN + get GEN, check ABORT, check STOP
         rank_rps = layout.ranks * (beat / HB_INTERVAL_S + 2.0 / step_s)
-        # check DONE, check STOP, get node_owner, set node/<i>, check evict/<r> per rank
-        agent = 4 + per_node
     elif mode == "b":
-        rank_rps = 0.0
-        # set node/<i> (hb + progress inside), multi_get [GEN, job/flags, node_owner]; and each
-        # rank's eviction key every EVICT_CHECK_S
-        agent = 2 + per_node * AGENT_INTERVAL_S / EVICT_CHECK_S
+        rank_rps = 0.0  # the beats travel in the node reports
     else:
         raise ValueError(f"mode must be a or b, got {mode!r}")
+    # set node/<i>, multi_get [GEN, job/flags, evict/seq, node_owner] (the same agent in both)
+    agent = 2
     agent_rps = layout.nodes * agent / AGENT_INTERVAL_S
     return {"ranks": rank_rps, "agents": agent_rps, "total": rank_rps + agent_rps}
 
@@ -297,7 +289,7 @@ class _Worker:
         self.agent_on = dict.fromkeys(self.live, True)
         self.report_seq = dict.fromkeys(self.live, 0)
         self.dying: dict[int, list[int]] = {n: [] for n in self.live}  # killed, reported next tick
-        self.evict_checked: dict[int, float] = {}  # mode b: node -> when its evictions were read
+        self.evict_seen: dict[int, bytes] = {}  # mode b: node -> evict/seq at its last check
         self.token: dict[int, int] = {}
         self.seen: dict[int, int] = {}
         self.pending: dict[int, set[int]] = {}
@@ -395,49 +387,35 @@ class _Worker:
             self._saw(rank, gen)
 
     def _agent_tick(self, node: int, now: float) -> None:
-        """agent.py `_tick` (mode a) or the proposed per-node tick (mode b)."""
+        """agent.py `_tick` (the same in both modes; in a the ranks read GEN themselves)."""
         s, client = self.store, -(node + 1)
         self._sample("agent", client, now)
         dying, self.dying[node] = self.dying[node], []
         self.report_seq[node] += 1
-        if self.mode == "a":
-            s.check([keys.DONE])
-            s.check([keys.STOP])
-            s.get(keys.node_owner(node))
-            s.set(node_key(node), self._report(node, now, dying))
-            self.requests += 4
-            for r in self.layout.node_ranks(node):
-                if self.alive[r]:
-                    self.requests += 1
-                    if s.check([keys.evict(r)]):
-                        self.requests += 1
-                        if int(s.get(keys.evict(r))) == self.inc[r]:
-                            self._kill(r, node, now)  # SIGKILL; its death is reported next tick
-            for r in dying:
-                keys.report_dead(s, r, self.inc[r])
-                self.requests += 2
-            return
+        # the same agent in both modes; in b its report carries its ranks' beats
         s.set(node_key(node), self._report(node, now, dying))
-        gen = int(s.multi_get([keys.GEN, FLAGS, keys.node_owner(node)])[0])
+        gen_raw, _, evict_seq, _ = s.multi_get(
+            [keys.GEN, FLAGS, keys.EVICT_SEQ, keys.node_owner(node)]
+        )
         self.requests += 2
-        if now - self.evict_checked.get(node, 0.0) > EVICT_CHECK_S or gen > self.seen.get(
-            client, 0
-        ):
-            self.evict_checked[node] = now
-            for r in self.layout.node_ranks(node):
-                if self.alive[r]:
-                    self.requests += 1
-                    if s.check([keys.evict(r)]):
-                        self.requests += 1
-                        if int(s.get(keys.evict(r))) == self.inc[r]:
-                            self._kill(r, node, now)
-        for r in dying:  # the log entry before the counter: the coordinator reads seq, then log
-            s.set(keys.dead(r), f"{self.inc[r]}:{time.time()}")
-            s.append(DEAD_LOG, f"{r},")
-            s.add(keys.DEAD_SEQ, 1)
+        if evict_seq != self.evict_seen.get(node):  # agent.py: only after an eviction was set
+            self.evict_seen[node] = evict_seq
+            self._check_evictions(node, now)
+        if self.mode == "b" and int(gen_raw) > self.seen.get(client, 0):
+            self._saw(client, int(gen_raw))
+        for r in dying:  # dead key, log entry, then the counter (keys.report_dead)
+            keys.report_dead(s, r, self.inc[r])
             self.requests += 3
-        if gen > self.seen.get(client, 0):
-            self._saw(client, gen)
+
+    def _check_evictions(self, node: int, now: float) -> None:
+        """agent.py `_maybe_evict` for each live rank of `node`."""
+        for r in self.layout.node_ranks(node):
+            if self.alive[r]:
+                self.requests += 1
+                if self.store.check([keys.evict(r)]):
+                    self.requests += 1
+                    if int(self.store.get(keys.evict(r))) == self.inc[r]:
+                        self._kill(r, node, now)  # SIGKILL; its death is reported next tick
 
     def _report(self, node: int, now: float, dying: list[int]) -> str:
         ranks = {}
@@ -544,7 +522,7 @@ class _Worker:
 
     def _rejoin(self, node: int) -> float:
         """The node's agent is back and every rank of it restarts with a new incarnation and
-        registers (manager.register's requests; mode b also appends to the registration log)."""
+        registers (manager.register's requests)."""
         now, s = time.monotonic(), self.store
         for r in self.layout.node_ranks(node):
             self.token[r] = self.token.get(r, 0) + 1
@@ -555,15 +533,12 @@ class _Worker:
             s.set(keys.progress(r), f"{self.inc[r]}:-1:idle")
             reg = {"incarnation": self.inc[r], "pid": 100000 + r, "host": "synthetic"}
             reg.update(tp=self.spec["tp"], world=self.layout.ranks, node=node)
-            s.set(keys.registration(r), json.dumps(reg))
+            s.add(keys.heartbeat(r), 1)  # Heartbeat.__init__, in both modes
+            keys.register(s, r, json.dumps(reg))  # registration, its log entry, the counter
             if self.mode == "a":
-                s.add(keys.heartbeat(r), 1)  # Heartbeat.__init__
                 self.seen[r] = self.max_gen
                 self._schedule(r, now + 0.01)
-            else:
-                s.append(REG_LOG, f"{r},")
-            s.add(keys.REG_SEQ, 1)
-            self.requests += 4
+            self.requests += 5
         client = -(node + 1)
         self.agent_on[node], self.seen[client] = True, self.max_gen
         self.token[client] = self.token.get(client, 0) + 1
@@ -798,9 +773,9 @@ def _populate(store, mode: str, layout: Layout, run_dir: str, tp: int) -> None:
         items[keys.node_owner(n)] = str(n + 1)
         template = report_template(mode, list(layout.node_ranks(n)), {})
         items[node_key(n)] = template % {"seq": f"{n + 1}:0", "hb": 0, "progress": "-1:idle"}
-    if mode == "b":  # the proposal's job flags and append-only logs, empty but present
-        items.update({FLAGS: "", DEAD_LOG: "", STANDBY_LOG: ""})
-        items[REG_LOG] = "".join(f"{r}," for r in range(layout.ranks))
+    # the job flags, eviction counter and append-only logs, as a running job has them
+    items.update({FLAGS: "", keys.EVICT_SEQ: "0", DEAD_LOG: "", STANDBY_LOG: ""})
+    items[REG_LOG] = "".join(f"{r}," for r in range(layout.ranks))
     names = list(items)
     for i in range(0, len(names), 8192):
         chunk = names[i : i + 8192]

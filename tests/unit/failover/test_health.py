@@ -82,7 +82,7 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         check=lambda keys: False,
         get=lambda key: b"7",
         set=lambda key, value: None,
-        multi_get=lambda names: [b"3", b"", b"7"],  # GEN, FLAGS, node_owner
+        multi_get=lambda names: [b"3", b"", b"0", b"7"],  # GEN, FLAGS, EVICT_SEQ, node_owner
     )
     fake = types.SimpleNamespace(
         stop_reason=None,
@@ -99,8 +99,7 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         spawn=spawned.append,
         _top_up_spares=lambda: None,
         _report_liveness=lambda gen, flags, stop_set: None,
-        gen_seen=3,
-        evict_checked=0.0,
+        evict_seq_seen=b"0",
         _hand_over=lambda: None,
     )
     monkeypatch.setattr("megatron_mecefo.failover.keys.get_int", lambda store, key, d=0: 10)

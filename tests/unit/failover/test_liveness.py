@@ -303,3 +303,17 @@ def test_aggregated_beats_count_and_a_stalled_agent_hands_over_to_the_ranks_keys
     assert members(store) == (2, [0, 1, 3])
     fail = next(e for e in posted_events(store) if e["type"] == "failure")
     assert fail["ranks"] == [2] and "no heartbeat" in fail["detail"]
+
+
+def test_every_member_silent_at_once_waits_for_the_hard_timeout_unless_the_kernel_says(store):
+    """All ranks and their agent fall silent together (the store or the host stalled, or the
+    whole job died): silence alone removes nobody before the hard timeout; a rank the agent's
+    last report shows stopped is still dead at the soft timeout."""
+    c = make(store, heartbeat_timeout_s=0.3, heartbeat_hard_timeout_s=1.6, agent_timeout_s=0.2)
+    _register_on_node(store)
+    _with_agent(store, "T")  # rank 2 stopped, the others running, then nothing moves
+    c.tick()
+    run_ticks(c, store, beating=(), seconds=0.9)
+    assert members(store) == (2, [0, 1, 3])  # only the kernel's evidence acted
+    run_ticks(c, store, beating=(), seconds=1.2)  # past the hard timeout
+    assert b"every replica is lost" in store.get(keys.ABORT)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,7 +122,31 @@ def _write_bytes(path: Path, raw: bytes) -> None:
 
 
 def make_folder(parent: str | None = None) -> Path:
-    """A fresh private folder for one agent's channel: in /dev/shm when there is one (no disk)."""
+    """A fresh private folder for one agent's channel: in /dev/shm when there is one (no disk).
+    Its name carries the agent's pid; folders left by agents that are gone (SIGKILL leaves its
+    folder behind) are removed first, so /dev/shm does not fill up across restarts."""
     if parent is None and Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
         parent = "/dev/shm"
-    return Path(tempfile.mkdtemp(prefix="mecefo-beat-", dir=parent))
+    remove_orphans(Path(parent or tempfile.gettempdir()))
+    return Path(tempfile.mkdtemp(prefix=f"mecefo-beat-{os.getpid()}-", dir=parent))
+
+
+def remove_orphans(parent: Path) -> list[Path]:
+    """Remove the channel folders in `parent` whose agent process no longer exists."""
+    removed = []
+    for folder in parent.glob("mecefo-beat-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

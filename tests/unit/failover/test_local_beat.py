@@ -209,3 +209,24 @@ def test_the_agent_fetches_each_new_record_once_for_the_node(store, tmp_path):
     store.set(keys.gen_record(2), json.dumps({"members": ["changed"]}))
     agent._report_liveness(2, store.get(keys.FLAGS), False)  # same generation: not read again
     assert json.loads(local_beat.read_record(tmp_path, 2)) == {"members": [0, 1]}
+
+
+def test_folders_of_agents_that_are_gone_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    dead_pid = int(gone.stdout)
+    orphan = tmp_path / f"mecefo-beat-{dead_pid}-abc"
+    orphan.mkdir()
+    (orphan / "rank0").write_text("{}")
+    live = tmp_path / f"mecefo-beat-{os.getpid()}-def"
+    live.mkdir()
+    mine = local_beat.make_folder(str(tmp_path))
+    assert not orphan.exists() and live.exists() and mine.exists()
+    assert mine.name.startswith(f"mecefo-beat-{os.getpid()}-")

@@ -144,6 +144,7 @@ class Agent:
             self.beat_dir = local_beat.make_folder()
         self.evict_seq_seen = b""  # keys.EVICT_SEQ at the last eviction check
         self.record_gen = 0  # the newest generation record written to the beat folder
+        self.flag_values: dict[str, str] = {}  # ABORT / STOP reasons once read
         self.standby_logged = False
         keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
@@ -351,11 +352,18 @@ class Agent:
                 self.record_gen = gen
             control = local_beat.Control(seq=self.report_seq, gen=gen)
             if keys.flag_raised(flags, keys.ABORT):
-                control.abort = self.store.get(keys.ABORT).decode()
+                control.abort = self._flag_value(keys.ABORT)
             if stop_set:
-                control.stop = self.store.get(keys.STOP).decode()
+                control.stop = self._flag_value(keys.STOP)
             control.done = keys.flag_raised(flags, keys.DONE)
             local_beat.write_control(self.beat_dir, control)
+
+    def _flag_value(self, key: str) -> str:
+        """A raised flag's reason, read from the store once: the flag stays raised, and a second
+        raiser would only change the reason's text."""
+        if key not in self.flag_values:
+            self.flag_values[key] = self.store.get(key).decode()
+        return self.flag_values[key]
 
     def _standby_tick(self) -> int | None:
         """A standby: beat, and take over the node the coordinator assigns (if any)."""

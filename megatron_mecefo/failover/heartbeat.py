@@ -71,7 +71,6 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         last_ok = time.monotonic()
-        self._published = None
         while not self._stop_event.wait(self.interval_s):
             self.beats += 1
             if self.beat_dir is not None and self._beat_through_agent():

@@ -646,8 +646,8 @@ class FailoverManager(TrainHook):
 
     def _wait_newer_generation(self, gen: int, deadline: float) -> int:
         while True:
-            latest = max(self.hb.latest_gen, gen) if self.hb is not None else gen
-            if latest == gen:
+            latest = self.hb.latest_gen if self.hb is not None else 0
+            if latest <= gen:  # the heartbeat's copy lags by up to a beat: ask the store
                 latest = keys.get_int(self.store, keys.GEN)
             if latest > gen:
                 return latest

@@ -133,7 +133,9 @@ def _fake_agent(store, tmp_path, procs) -> types.SimpleNamespace:
         procs=procs,
         incarnation=dict.fromkeys(procs, 1),
         record_gen=10**9,  # records: their own test
+        flag_values={},
     )
+    fake._flag_value = lambda key: Agent._flag_value(fake, key)
     fake._report_liveness = lambda *a: Agent._report_liveness(fake, *a)
     return fake
 

@@ -245,6 +245,8 @@ def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_pa
     assert res.returncode == 0, res.explain()
     assert seen["hb_before"] == [1, 1], seen  # no beat went to the store while the agent ran
     assert all(len(e) == 6 and e[4] > 1 for e in seen["report"].values()), seen["report"]
-    assert min(seen["hb_paused"]) > 5, seen  # ~0.2 s beats to the store while it was stopped
+    # beats reached the store while the agent was stopped (the key starts at 1); how many depends
+    # on how often a busy 2-core machine runs the heartbeat thread (4-17 seen in 4 s)
+    assert min(seen["hb_paused"]) >= 3, seen
     assert "failure" not in res.event_types(), res.events()
     assert [m["step"] for m in res.metrics()] == list(range(steps))

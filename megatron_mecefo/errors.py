@@ -61,22 +61,10 @@ class DistributedSetupError(MecefoError):
     exit_code = ExitCode.DISTRIBUTED_ERROR
 
 
-class PeerLostError(MecefoError):
-    """A data-parallel peer died or became unreachable."""
-
-    exit_code = ExitCode.DISTRIBUTED_ERROR
-
-
 class QuorumTimeoutError(MecefoError):
     """Survivors did not agree on a new membership in time."""
 
     exit_code = ExitCode.DISTRIBUTED_ERROR
-
-
-class CoordinatorLostError(MecefoError):
-    """The coordinator store cannot be reached."""
-
-    exit_code = ExitCode.COORDINATOR_LOST
 
 
 class FencedError(MecefoError):

@@ -8,7 +8,7 @@ mistake costs seconds, not an allocation of GPUs waiting on a rendezvous that ca
   `training.global_batch_size` must divide over the job's DP size;
 - the devices the config needs are there: `parallel.backend` nccl (or auto) needs one visible GPU
   per rank of the node; only `parallel.backend=gloo` trains without GPUs;
-- every GPU of the node passes the health check (`failover/health.py`).
+- every GPU of the node passes the health check (`failover/liveness/gpu_health.py`).
 Each problem is one `error: ...` line (config errors from node 0 only: every node would print the
 same). Exit codes (errors.ExitCode): 0 fit, 2 CONFIG_ERROR (config, or no/too few GPUs for it),
 3 DATA_ERROR, 4 DISTRIBUTED_ERROR (an unhealthy GPU).
@@ -42,13 +42,14 @@ def check_config(args: argparse.Namespace):
     """(config, None) or (None, (exit code, message)) after a full dry run at the job's size."""
     from megatron_mecefo import train
     from megatron_mecefo.config.batch import resolve_global_batch
+    from megatron_mecefo.config.cli import load_run_config, parse_args
 
     os.environ["WORLD_SIZE"] = str(args.world_size)  # the dry run resolves the global batch
     try:
-        trainer = train.parse_args([*args.trainer_args, "--dry-run"])
+        trainer = parse_args([*args.trainer_args, "--dry-run"])
         with contextlib.redirect_stdout(io.StringIO()):  # the resolved YAML is not wanted here
             train.run(trainer)
-        cfg = resolve_global_batch(train.load_run_config(trainer), args.world_size)
+        cfg = resolve_global_batch(load_run_config(trainer), args.world_size)
     except MecefoError as exc:
         return None, (int(exc.exit_code), str(exc))
     return cfg, None
@@ -56,7 +57,7 @@ def check_config(args: argparse.Namespace):
 
 def check_devices(cfg, nproc: int) -> tuple[int, str] | None:
     """None when this node has what the config needs, else (exit code, message)."""
-    from megatron_mecefo.failover import health
+    from megatron_mecefo.failover.liveness import gpu_health as health
 
     backend = cfg.parallel.backend
     if backend == "gloo":

@@ -25,18 +25,18 @@ case "${MECEFO_LAUNCHER}" in
   failover)
     launch_args=(--nproc-per-node "${NPROC}")
     if [ "${NNODES}" -eq 1 ] && [ "${NSPARE}" -eq 0 ]; then
-      exec "${PYTHON}" -m megatron_mecefo.failover.agent "${launch_args[@]}" -- "$@"
+      exec "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" -- "$@"
     fi
     port="$("${PYTHON}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     node_args=(--nnodes "${NNODES}" --coordinator "127.0.0.1:${port}")
     pids=()
-    "${PYTHON}" -m megatron_mecefo.failover.agent "${launch_args[@]}" --nnodes "${NNODES}" \
+    "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" --nnodes "${NNODES}" \
       --node-rank 0 --coordinator-port "${port}" -- "$@" &
     pids+=($!)
     for ((i = 1; i < NNODES + NSPARE; i++)); do
       role=()
       if [ "${i}" -ge "${NNODES}" ]; then role=(--standby); fi
-      "${PYTHON}" -m megatron_mecefo.failover.agent "${launch_args[@]}" "${node_args[@]}" \
+      "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" "${node_args[@]}" \
         --node-rank "${i}" "${role[@]}" -- "$@" &
       pids+=($!)
     done

@@ -21,7 +21,7 @@ if [ "${SLURM_PROCID:?not inside a Slurm step}" -ge "${working_nodes}" ]; then
   role=(--standby) # a spare node: no rank until the coordinator gives it a lost node's
 fi
 agent_cmd=(
-  "${python}" -m megatron_mecefo.failover.agent
+  "${python}" -m megatron_mecefo.failover.node.agent_cli
   --nnodes "${working_nodes}"
   --node-rank "${SLURM_PROCID}"
   "${role[@]}"

@@ -24,9 +24,8 @@ class FailoverConfig:
     start_timeout_s: float = 1800.0
     """Bound on waiting for rank 0 to prepare the data and for the first generation to form."""
     regroup_timeout_s: float = 120.0
-    """Give up (DISTRIBUTED_ERROR) if no usable membership forms within this time."""
-    transfer_timeout_s: float = 120.0
-    """Bound on receiving the training state from a live peer when (re)joining."""
+    """Give up (DISTRIBUTED_ERROR) if no usable membership forms within this time, a (re)joining
+    replica's state transfer included."""
     audit: bool = False
     """Write every committed (step, source replica, micro-batch) each rank ran to
     `run_dir/audit/tasks_rank<R>.jsonl` and, at the end, a SHA-256 of each rank's model and
@@ -40,7 +39,6 @@ class FailoverConfig:
             "failure_wait_s",
             "start_timeout_s",
             "regroup_timeout_s",
-            "transfer_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"failover.{name} must be > 0, got {getattr(self, name)}")

@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from megatron_mecefo.training.config import TrainingConfig
-
 
 def wrap_ddp(model: torch.nn.Module, tcfg: Any) -> torch.nn.Module:
     """Megatron `DistributedDataParallel` with fp32 grad buffers and no overlapped reduction."""
@@ -29,19 +27,29 @@ def wrap_ddp(model: torch.nn.Module, tcfg: Any) -> torch.nn.Module:
     return DistributedDataParallel(config=tcfg, ddp_config=ddp_cfg, module=model)
 
 
-def build_optimizer(ddp: torch.nn.Module, cfg: TrainingConfig, *, bf16: bool):
+def build_optimizer(
+    ddp: torch.nn.Module,
+    *,
+    lr: float,
+    min_lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    clip_grad: float,
+    bf16: bool,
+):
     """`get_megatron_optimizer` AdamW (torch fallback without TE/Apex)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ocfg = OptimizerConfig(
         optimizer="adam",
-        lr=cfg.lr,
-        min_lr=cfg.min_lr,
-        weight_decay=cfg.weight_decay,
-        adam_beta1=cfg.adam_beta1,
-        adam_beta2=cfg.adam_beta2,
-        adam_eps=cfg.adam_eps,
-        clip_grad=cfg.clip_grad,
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=betas[0],
+        adam_beta2=betas[1],
+        adam_eps=eps,
+        clip_grad=clip_grad,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=False,

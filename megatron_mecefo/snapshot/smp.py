@@ -104,7 +104,7 @@ class SnapshotProcess:
         print(f"[smp {self.args.node}] {msg}", flush=True)
 
     def start(self) -> None:
-        from megatron_mecefo.failover import keys
+        from megatron_mecefo.control import keys
 
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / READY_MARKER).unlink(missing_ok=True)

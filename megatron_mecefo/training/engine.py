@@ -2,9 +2,10 @@
 
 `train_step(step, plan)` is the whole step, readable top to bottom: set LR, refresh low-rank bases,
 zero grads, run the plan's micro-batches through megatron's schedule (each in its own mode), reduce
-gradients with the plan's scaling, ask the commit vote, optimizer step. Failover changes only the
-plan, the `membership` (generation, group) and the `commit_vote`; the step never branches on
-failures. A step that is not committed leaves the model untouched and is redone by the loop.
+gradients with the plan's scaling over the `Membership`, ask it to commit, optimizer step. Failover
+changes only the plan and supplies a live membership (its group, generation and commit vote); the
+step never branches on failures. A step that is not committed leaves the model untouched and is
+redone by the loop.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import torch
 
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.data import DataBundle, MicroBatchSampler, check_vocab, prepare_data
-from megatron_mecefo.failover.membership import Membership
 from megatron_mecefo.mcore import stack
 from megatron_mecefo.mcore.model import build_gpt_model
 from megatron_mecefo.mcore.parallel import (
@@ -34,6 +34,7 @@ from megatron_mecefo.mcore.parallel import (
 from megatron_mecefo.mecefo import install_degraded_mode
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
 from megatron_mecefo.training.lr_schedule import lr_at
+from megatron_mecefo.training.membership import Membership
 
 
 @dataclasses.dataclass
@@ -58,11 +59,6 @@ class StepResult:
     (n x M when nothing was lost; a lost slice makes it fall short)."""
     global_samples: int = 0
     """Samples the whole group ran this step (n x M x micro-batch size when nothing was lost)."""
-
-
-def local_commit(step: int, ok: bool) -> bool:
-    """Commit vote without failover: commit iff this rank's collectives succeeded."""
-    return ok
 
 
 class Engine:
@@ -91,9 +87,6 @@ class Engine:
         self.controller = controller
         self.reducer = reducer
         self.membership = membership
-        self.commit_vote: Callable[[int, bool], bool] = local_commit
-        """(step, this rank's reduction succeeded) -> apply the update? Failover installs its
-        vote here; it must return the same answer on every member."""
         self.before_update: list[Callable[[], None]] = []
         """Called just before the optimizer update of a committed step (a snapshot still copying
         the previous state waits here)."""
@@ -121,8 +114,8 @@ class Engine:
     def train_step(self, step: int, plan: RankStepPlan | None = None) -> StepResult:
         """One optimizer step following `plan` (all members call this together).
 
-        The update is applied only if `commit_vote` agrees; otherwise gradients are discarded and
-        the result has `committed=False` (the loop redoes the step under a new plan).
+        The update is applied only if the membership commits it; otherwise gradients are discarded
+        and the result has `committed=False` (the loop redoes the step under a new plan).
         """
         plan = plan or self.default_plan()
         if not plan.tasks:
@@ -132,7 +125,7 @@ class Engine:
         lr = lr_at(step, tc)
         stack.set_lr(self.optimizer, lr)
         self.controller.on_step_start(step)
-        self.membership.collectives.reset()
+        self.membership.begin_attempt()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
@@ -153,7 +146,7 @@ class Engine:
         )
         self.controller.set_degraded(False)
         loss, global_samples = self._global_mean_loss(outputs)
-        committed = self.commit_vote(step, self.membership.failed is None)
+        committed = self.membership.commit(step, self.membership.failed is None)
         updated, grad_norm = False, 0.0
         if committed:
             for wait in self.before_update:
@@ -260,7 +253,7 @@ class Engine:
                 micro_batch_size=self.cfg.training.micro_batch_size,
                 forward_only=True,
             )
-        self.membership.collectives.reset()
+        self.membership.begin_attempt()
         return self._global_mean_loss(outputs)[0]
 
     def close(self) -> None:
@@ -333,7 +326,16 @@ def build_engine(
         model = model.cuda()
     controller = install_degraded_mode(model, cfg.mecefo)  # disabled: installs nothing
     ddp = stack.wrap_ddp(model, tcfg)
-    optimizer = stack.build_optimizer(ddp, tc, bf16=bf16)
+    optimizer = stack.build_optimizer(
+        ddp,
+        lr=tc.lr,
+        min_lr=tc.min_lr,
+        weight_decay=tc.weight_decay,
+        betas=(tc.adam_beta1, tc.adam_beta2),
+        eps=tc.adam_eps,
+        clip_grad=tc.clip_grad,
+        bf16=bf16,
+    )
     reducer = stack.PlanGradReducer(ddp, membership, controller.is_masked_param)
     stack.install_grad_reducer(ddp, tcfg, reducer)
     if log is not None:

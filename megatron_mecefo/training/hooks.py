@@ -1,8 +1,10 @@
-"""Hook points of the training loop.
+"""Hook points of the training loop, and the step control that plans and acknowledges each step.
 
-Hooks supply each step's plan and observe results. Failover uses them for the plan, but it is more
-than a hook: it also owns the engine's `membership` (group, generation) and `commit_vote`, and it
-joins before the loop starts (see `megatron_mecefo.failover.manager`).
+Per step the loop runs `plan = control.begin_step(step)`, the hooks' `before_step`,
+`result = engine.train_step(step, plan)`, then `control.end_step(result)`. The control is the one
+object that knows whether replicas can be lost: `StepControl` itself is the failure-free one (the
+default plan, nothing to acknowledge); failover's manager is the live one. Hooks observe
+(checkpoints, snapshots, a stop request, failure injection); none of them plans.
 """
 
 from __future__ import annotations
@@ -15,16 +17,12 @@ from megatron_mecefo.plan.step_plan import RankStepPlan
 class TrainHook:
     """Base hook: every method is a no-op. Subclass and override what you need."""
 
-    def plan_for_step(self, engine: Any, step: int) -> RankStepPlan | None:
-        """Return the plan for `step`, or None to leave it to the next hook / the default plan."""
-        return None
+    def before_step(self, engine: Any, step: int) -> None:
+        """Called on every rank after the step's plan is known, before it runs (each attempt)."""
 
     def after_step(self, engine: Any, result: Any, record: dict[str, Any]) -> None:
         """Called on every rank after a committed step; `record` is the metrics row (may be
         extended)."""
-
-    def on_step_aborted(self, engine: Any, result: Any) -> None:
-        """Called on every member when a step was not committed; the loop redoes it next."""
 
     def should_stop(self, engine: Any, result: Any) -> bool:
         """Called on every rank after a committed step, before `after_step`: True ends the run
@@ -34,3 +32,18 @@ class TrainHook:
 
     def on_train_end(self, engine: Any, summary: dict[str, Any]) -> None:
         """Called once after the last step."""
+
+
+class StepControl(TrainHook):
+    """Plans each step and acknowledges its result. This base is the failure-free control: every
+    replica runs its own micro-batches, exactly; a step that was not committed is simply redone.
+    It is also a hook (called first), so a control can stop the run or add to the summary."""
+
+    def begin_step(self, engine: Any, step: int) -> RankStepPlan:
+        """This rank's plan for `step` (each attempt of it)."""
+        return engine.default_plan()
+
+    def end_step(self, engine: Any, result: Any) -> dict[str, Any]:
+        """Called on every member after each attempt (`result.committed` False: it is redone);
+        returns the fields a committed step adds to its metrics row."""
+        return {}

@@ -3,8 +3,8 @@
 Snapshots and checkpoints carry a `StateIdentity`; recovery accepts state only when it is the
 current run's, of the current config and on the current lineage (`relation`). A run directory
 holds the identity in `identity.json` (written before step 0, owned by this module); every rank
-resolves the same identity before recovery (`resolve`). This module loads no state and imports
-no torch at module level.
+resolves the same identity before recovery (`checkpoint/resume.py`). This module loads no state
+and imports no torch.
 """
 
 from __future__ import annotations
@@ -14,14 +14,11 @@ import hashlib
 import json
 import os
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 IDENTITY_FILE = "identity.json"
 """In the run directory: {"run_id", "config_hash", "lineage", "config"} of the current run."""
-STORE_KEY = "mecefo/identity"
-"""Coordinator store key: the identity the first trainer of a `mecefo-launch` job proposed."""
 
 # Config that does not change what a state is: where things go, how often they are saved, the
 # parallel layout (resuming under another DP/TP size is supported) and how long the run goes on.
@@ -198,63 +195,3 @@ def config_changes(old: dict | None, new: dict, limit: int = 4) -> str:
     walk(old, new, "")
     more = f", ... ({len(diffs)} keys)" if len(diffs) > limit else ""
     return ", ".join(diffs[:limit]) + more
-
-
-# ---------------------------------------------------------------------- resolving it on start
-def resolve(
-    cfg: Any,
-    *,
-    dp_size: int,
-    share: Callable[[str], str] = lambda proposal: proposal,
-    resume: str | None = None,
-) -> StateIdentity:
-    """This job's identity; every rank calls this, in order, before recovery.
-
-    `resume` (default `cfg.checkpoint.resume`): `auto` continues the run directory's identity
-    (a new run if it has none), `never` starts a new run, a checkpoint folder starts a new line
-    branching from that checkpoint's line at its step. `share(proposal)` returns the proposal
-    every rank agrees on (the first one made: store compare-set or a broadcast from rank 0).
-    """
-    from megatron_mecefo.checkpoint import layout
-
-    resume = cfg.checkpoint.resume if resume is None else resume
-    config = trajectory_config(cfg, dp_size)
-    digest = config_hash(cfg, dp_size)
-    saved = read_file(cfg.run_dir)
-    if resume == "never" or saved is None and resume == "auto":
-        proposal = StateIdentity.fresh(digest, config)
-    else:
-        base = (
-            StateIdentity(saved["run_id"], digest, tuple(saved["lineage"]), config)
-            if saved
-            else None
-        )
-        if resume == "auto":
-            proposal = base
-        else:  # a branch; a folder that is not a checkpoint fails in the recovery order
-            base = base or StateIdentity.fresh(digest, config)
-            marker = layout.read_marker(resume)
-            parent = tuple((marker or {}).get("identity", {}).get("lineage", ()))
-            proposal = base.branch(parent, int((marker or {}).get("next_step", 0)))
-    agreed = json.loads(share(json.dumps(proposal.to_dict())))
-    return dataclasses.replace(StateIdentity.from_dict(agreed), config=config)
-
-
-def share_over_store(store) -> Callable[[str], str]:
-    """First proposal wins, for every trainer of the launch (restarted ones included)."""
-    return lambda proposal: store.compare_set(STORE_KEY, "", proposal).decode()
-
-
-def share_over_default_group() -> Callable[[str], str]:
-    """Rank 0's proposal, broadcast over the default process group (all ranks call it)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return lambda proposal: proposal
-
-    def share(proposal: str) -> str:
-        box = [proposal]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    return share

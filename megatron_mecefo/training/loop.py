@@ -1,7 +1,12 @@
-"""The training loop: plan -> step -> (eval) -> log, with hooks. Nothing else lives here.
+"""The training loop: plan -> step -> acknowledge -> (eval) -> log, with hooks. Nothing else
+lives here.
+
+    plan = control.begin_step(step)
+    result = engine.train_step(step, plan)
+    control.end_step(result)
 
 A step whose update was not committed (a member was lost mid-step) is redone here, under the plan
-the hooks give for the new membership; that is the loop's only reaction to failures.
+the control gives for the new membership; that is the loop's only reaction to failures.
 """
 
 from __future__ import annotations
@@ -13,13 +18,21 @@ from typing import Any
 from megatron_mecefo.metrics.logger import MetricsLogger
 from megatron_mecefo.metrics.mfu import mfu, peak_flops
 from megatron_mecefo.training.engine import Engine
-from megatron_mecefo.training.hooks import TrainHook
+from megatron_mecefo.training.hooks import StepControl, TrainHook
 
 
 def train(
-    engine: Engine, logger: MetricsLogger, hooks: Sequence[TrainHook] = (), *, start_step: int = 0
+    engine: Engine,
+    logger: MetricsLogger,
+    hooks: Sequence[TrainHook] = (),
+    *,
+    control: StepControl | None = None,
+    start_step: int = 0,
 ) -> dict[str, Any]:
-    """Run steps `start_step .. max_steps-1`; returns a summary (losses, val losses, throughput)."""
+    """Run steps `start_step .. max_steps-1` under `control` (default: failure-free); returns a
+    summary (losses, val losses, throughput)."""
+    control = control or StepControl()
+    hooks = [control, *hooks]
     tc = engine.cfg.training
     peak = peak_flops(_device_name(engine))
     flops_per_token = engine.cfg.model.flops_per_token()
@@ -27,11 +40,12 @@ def train(
     step = start_step
     stopped_at = None
     while step < tc.max_steps:
-        plan = next((p for h in hooks if (p := h.plan_for_step(engine, step)) is not None), None)
+        plan = control.begin_step(engine, step)
+        for hook in hooks:
+            hook.before_step(engine, step)
         result = engine.train_step(step, plan)
+        extra = control.end_step(engine, result)
         if not result.committed:
-            for hook in hooks:
-                hook.on_step_aborted(engine, result)
             continue
         tokens_per_s = result.global_tokens / max(result.step_time_s, 1e-9)
         record: dict[str, Any] = {
@@ -41,7 +55,8 @@ def train(
             "grad_norm": result.grad_norm,
             "tokens_per_s": tokens_per_s,
             "step_time_s": result.step_time_s,
-            "degraded_microbatches": plan.num_degraded if plan is not None else 0,
+            "degraded_microbatches": plan.num_degraded,
+            **extra,
         }
         util = mfu(tokens_per_s, flops_per_token, engine.ctx.world_size, peak)
         if util is not None:

@@ -1,8 +1,8 @@
 """Parts of launch/slurm/pretrain.sbatch checked without Slurm: the stop lead time computed from
 the step and checkpoint-save times measured in a job's logs, and the exported cluster timeout
-profile equal to `megatron_mecefo.config.timeouts.PROFILES["cluster"]` (the NCCL block is checked
-against `failover.groups.NCCL_POLICY` in tests/unit/failover/test_groups.py). The whole script
-runs against a real Slurm in test_slurm.py."""
+profile equal to `megatron_mecefo.config.timeouts.PROFILES["cluster"]` (the NCCL block is
+checked against `failover.trainer.groups.NCCL_POLICY` in tests/unit/failover/test_groups.py). The
+whole script runs against a real Slurm in test_slurm.py."""
 
 from __future__ import annotations
 

@@ -125,7 +125,7 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path, demo_data_dir, 
     # would stop by themselves on losing the store (failover.coordinator_timeout_s = 5 s);
     # SIGTERM: the agent stops its children's groups (waiting <= 10 s), then the store host
     bound_s = 3.0 if sig == signal.SIGKILL else 20.0
-    spare = "megatron_mecefo.failover.spare"
+    spare = "megatron_mecefo.warm_spare"
 
     def signal_mid_save(proc, run_dir):
         writer = _stop_a_checkpoint_writer(mark, proc, spare if sig == signal.SIGKILL else "")
@@ -150,7 +150,7 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path, demo_data_dir, 
         timeout_s=300,
     )
     kinds = [cmd.split(" -m ")[-1].split()[0] for _, _, cmd in seen.values() if " -m " in cmd]
-    for kind in ("failover.agent", "store_host", "coordinator", "train", "spare"):
+    for kind in ("agent_cli", "store_host", "coordinator_cli", "train", "warm_spare"):
         assert any(k.endswith(kind) for k in kinds), (kind, kinds)
     assert any("multiprocessing.spawn" in cmd for _, _, cmd in seen.values())
     after = res.output.encode()[log_at_signal[0] :].decode(errors="replace")
@@ -188,7 +188,7 @@ def test_a_bad_injection_is_refused_before_launch(tmp_path, demo_data_dir, spec,
         [
             sys.executable,
             "-m",
-            "megatron_mecefo.failover.agent",
+            "megatron_mecefo.failover.node.agent_cli",
             "--nproc-per-node",
             "2",
             "--",

@@ -42,7 +42,7 @@ def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path
 
     def kill_coordinator(proc, run_dir):
         _wait_for_steps(proc, run_dir, 4)
-        coords = _children(proc, "megatron_mecefo.failover.coordinator")
+        coords = _children(proc, "megatron_mecefo.failover.authority.coordinator_cli")
         assert len(coords) == 1, coords
         killed["pid"] = coords[0].pid
         os.kill(coords[0].pid, signal.SIGKILL)
@@ -86,7 +86,7 @@ def test_rank0_stopped_before_step0_does_not_hang_the_job(tmp_path, demo_data_di
     """SIGSTOP rank 0 for 4.5 s right after the first generation forms (the ranks then prepare
     the data and build the model): it is declared dead, killed and restarted. No rank waits for
     it, the run dir is written by whichever replica leads, and every step runs once."""
-    from megatron_mecefo.failover import keys
+    from megatron_mecefo.control import keys
 
     steps = 12
 
@@ -138,7 +138,7 @@ def test_losing_the_store_ends_every_rank_cleanly(tmp_path, demo_data_dir):
 
     def kill_store(proc, run_dir):
         _wait_for_steps(proc, run_dir, 3)
-        hosts = _children(proc, "megatron_mecefo.failover.store_host")
+        hosts = _children(proc, "megatron_mecefo.failover.authority.store_host")
         assert len(hosts) == 1
         os.kill(hosts[0].pid, signal.SIGKILL)
         killed_at["t"] = time.monotonic()
@@ -226,8 +226,8 @@ def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_pa
     meanwhile, so none is declared dead, and the job completes."""
     import json
 
-    from megatron_mecefo.failover import keys
-    from megatron_mecefo.failover.liveness import node_key
+    from megatron_mecefo.control import keys
+    from megatron_mecefo.control.keys import node_key
 
     steps, seen = 40, {}
 

@@ -1,4 +1,4 @@
-"""`tools/chaos.py` end to end: a short fixed-seed soak against real `mecefo-launch` jobs (2
+"""`tools/chaos/run.py` end to end: a short fixed-seed soak against real `mecefo-launch` jobs (2
 simulated nodes x 2 ranks, tiny model, 30 steps), every invariant checked by the tool. Six jobs
 (~4 minutes on this 2-core machine when it is quiet): rank faults, coordinator kill under a CPU hog,
 a restarted leader, an agent kill and a whole node lost."""
@@ -38,7 +38,7 @@ CASES = [
 def test_chaos_soak_survives(tmp_path, demo_data_dir, kinds, seed, only):
     out = tmp_path / "chaos"
     cmd = [
-        sys.executable, "tools/chaos.py", "--seed", str(seed), "--only", only,
+        sys.executable, "tools/chaos/run.py", "--seed", str(seed), "--only", only,
         "--kinds", kinds, "--nodes", "2", "--nproc", "2", "--max-steps", "30",
         "--out", str(out), "--demo-dir", demo_data_dir, "--job-timeout-s", "240",
     ]  # fmt: skip

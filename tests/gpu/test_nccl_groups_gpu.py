@@ -43,7 +43,7 @@ def _worker(rank: int, port: int, scenario: str, results) -> None:
     try:
         import torch.distributed as dist
 
-        from megatron_mecefo.failover import groups
+        from megatron_mecefo.failover.trainer import groups
 
         torch.cuda.set_device(rank)
         store = _store(port, rank)

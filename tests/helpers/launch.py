@@ -119,7 +119,7 @@ def launch(
     cmd = [
         sys.executable,
         "-m",
-        "megatron_mecefo.failover.agent",
+        "megatron_mecefo.failover.node.agent_cli",
         "--nproc-per-node",
         str(nproc),
         "--restart-delay-s",
@@ -202,7 +202,7 @@ def launch_nodes(
         cmd = [
             sys.executable,
             "-m",
-            "megatron_mecefo.failover.agent",
+            "megatron_mecefo.failover.node.agent_cli",
             "--nproc-per-node",
             str(nproc_per_node),
             "--nnodes",

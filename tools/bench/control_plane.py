@@ -7,16 +7,18 @@
 
 The store is torch's libuv `TCPStore`, served in its own process exactly as `mecefo-coordinator`
 (`store_host.py`) serves it, with the same 0.1 s polling loop beside it. The coordinator is the real
-`Coordinator` class in its own process, looping as `coordinator.main` does (tick, sleep 50 ms); it
-is driven in-process so that every tick can be timed and its store requests counted (the real
-`mecefo-coordinator` would start its own coordinator child, which exposes neither).
+`Coordinator` class in its own process, running its own loop (`Coordinator.run`: tick, sleep 50 ms)
+in a subclass that times every tick and counts its store requests (the real `mecefo-coordinator`
+would start its own coordinator child, which exposes neither). Every record the bench writes (node
+reports, generation records, registrations) is built with the product's record types
+(`control/records.py`).
 
 Clients are worker processes, each driving many logical ranks and node agents over one store
 connection, request for request as the product's. Mode a is the per-rank protocol (a trainer
 without an agent channel): each rank's heartbeat (every 0.2 s: add hb/<r>, set progress/<r> when
 it changed, get GEN, check ABORT, check STOP; on a new GEN its main thread reads gen/<g>), beside
 the same node agents as in b. Mode b is the product's protocol under `mecefo-launch`
-(heartbeats aggregated per node, `failover/local_beat.py`): one writer per node of 8 ranks. The
+(heartbeats aggregated per node, `control/local_beat.py`): one writer per node of 8 ranks. The
 agent's node report carries each rank's heartbeat counter and progress; every 0.1 s the agent
 reads [GEN, job/flags, evict/seq, node_owner/<i>] in one multi_get, hands GEN/ABORT/STOP to its
 trainers through a node-local file (that local hop is not measured here; tests/dist cover it),
@@ -56,15 +58,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT / "tools" / "bench", ROOT):  # bench_common; the package (tests load by path)
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from megatron_mecefo.failover import keys  # noqa: E402 - after the path fix (no torch import)
-from megatron_mecefo.failover.coordinator import (  # noqa: E402
-    Coordinator,
-    DetectorConfig,
+from bench_common import (  # noqa: E402 - after the path fix (no torch import)
+    bench_parser,
+    cell,
+    demo_job_args,
+    machine,
+    mem_available_gb,
+    percentile,
+    read_jsonl,
+    write_json,
 )
-from megatron_mecefo.failover.liveness import node_key  # noqa: E402
+
+from megatron_mecefo.control import keys  # noqa: E402
+from megatron_mecefo.control.keys import node_key  # noqa: E402
+from megatron_mecefo.control.records import (  # noqa: E402
+    GenerationRecord,
+    NodeReport,
+    RankEntry,
+    Registration,
+)
+from megatron_mecefo.failover.authority.coordinator import Coordinator  # noqa: E402
+from megatron_mecefo.failover.liveness.detector import DetectorConfig  # noqa: E402
 
 HB_INTERVAL_S = 0.2
 """FailoverConfig.heartbeat_interval_s (each rank's heartbeat thread)."""
@@ -130,14 +148,6 @@ def assign_nodes(layout: Layout, live: int, workers: int) -> list[dict[str, list
     return out
 
 
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    data = sorted(values)
-    if not data:
-        return None
-    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
-
-
 def tick_summary(ticks: list[tuple]) -> dict:
     """Coordinator ticks (start, duration_s, reads_heartbeats, requests, store_s, cpu_s) ->
     durations (wall and the coordinator's own CPU) of the heartbeat-reading ticks and of the
@@ -168,44 +178,54 @@ def tick_summary(ticks: list[tuple]) -> dict:
 
 
 def generation_record(layout: Layout) -> str:
-    """A generation record of N ranks, as `Coordinator._publish` writes it (every replica a
-    member)."""
-    tp = layout.ranks_per_node
-    return json.dumps(
-        {
-            "members": list(range(layout.nodes)),
-            "removed": [],
-            "added": [],
-            "reason": "start",
-            "tp": tp,
-            "epoch_s": time.time(),
-            "failure_epoch_s": None,
-            "step": 0,
-            "incarnations": {str(r): 0 for r in range(layout.ranks)},
-        }
-    )
+    """The first generation record of N ranks (every replica a member), as the coordinator
+    publishes it (`records.GenerationRecord`)."""
+    return GenerationRecord(
+        members=list(range(layout.nodes)),
+        reason="start",
+        tp=layout.ranks_per_node,
+        epoch_s=time.time(),
+        step=0,
+        incarnations={str(r): 0 for r in range(layout.ranks)},
+    ).to_json()
 
 
 def removed_replicas(record: str) -> list[int]:
-    """The `removed` list of a raw generation record, without decoding all of it (a 16k-rank
-    record is ~200 KB; the trainers' own decode is local CPU, not control-plane load)."""
+    """`GenerationRecord.from_json(record).removed`, without decoding all of the record (a
+    16k-rank record is ~200 KB; the trainers' own decode is local CPU, not control-plane load).
+    Reads the text `GenerationRecord.to_json` writes; the tests hold the two to agreement."""
     start = record.index('"removed": [') + len('"removed": [')
     body = record[start : record.index("]", start)]
     return [int(x) for x in body.split(",") if x.strip()]
 
 
+SYNTHETIC_PID = 100000
+"""Rank r's process id in the synthetic node reports and registrations: SYNTHETIC_PID + r."""
+
+
+def rank_entry(rank: int, incarnation: int, alive: bool = True) -> RankEntry:
+    """A synthetic rank as its node agent reports it: running (S) or a zombie (Z), 1 CPU tick."""
+    return RankEntry(incarnation, SYNTHETIC_PID + rank, "S" if alive else "Z", 1)
+
+
+_SEQ, _HB, _PROGRESS = "@seq@", 918273645, "@progress@"
+"""Sentinels that `report_template` renders in a NodeReport, then turns into placeholders."""
+
+
 def report_template(mode: str, ranks: list[int], incarnation: dict[int, int]) -> str:
-    """A node report with %(seq)s, %(hb)d and %(progress)s left to fill: mode a in the
-    `liveness.node_report` format, mode b with each rank's heartbeat counter and progress too."""
-    entries = []
+    """A node report (`records.NodeReport`, every rank running) with %(seq)s, %(hb)d and
+    %(progress)s left to fill: mode a without beats (the ranks beat to the store themselves),
+    mode b with each rank's heartbeat counter and progress. A %-template, not a NodeReport per
+    tick, because the bulk nodes of 16k ranks are rendered every 0.1 s; it is a NodeReport
+    rendered once with sentinel values, so the format has one home."""
+    entries = {}
     for r in ranks:
-        inc = incarnation.get(r, 0)
-        head = f'"{r}": [{inc}, {100000 + r}, "S", 1'
+        entries[r] = entry = rank_entry(r, incarnation.get(r, 0))
         if mode == "b":
-            entries.append(head + f', %(hb)d, "{inc}:%(progress)s"]')
-        else:
-            entries.append(head + "]")
-    return '{"seq": "%(seq)s", "ranks": {' + ", ".join(entries) + "}}"
+            entry.beats, entry.progress = _HB, f"{entry.incarnation}:{_PROGRESS}"
+    text = NodeReport(_SEQ, entries).to_json().replace("%", "%%")
+    text = text.replace(f'"{_SEQ}"', '"%(seq)s"').replace(f", {_HB}, ", ", %(hb)d, ")
+    return text.replace(_PROGRESS, "%(progress)s")
 
 
 def progress_now(t0: float, step_s: float, now: float) -> str:
@@ -219,9 +239,9 @@ def server_cores(offered: float, us_per_request: float | None) -> float | None:
     return None if us_per_request is None else offered * us_per_request / 1e6
 
 
-COORDINATORS = {"a": Coordinator, "b": Coordinator}
-"""Mode -> the coordinator class it runs (the product's, in both); the clients speak protocol a
-(per-rank heartbeats) or b (aggregated per node)."""
+MODES = ("a", "b")
+"""The clients' protocols: a (per-rank heartbeats) or b (aggregated per node); the coordinator is
+the product's in both."""
 
 
 class CountingStore:
@@ -257,6 +277,26 @@ class CountingStore:
                 self.by_op[name] = self.by_op.get(name, 0) + 1
 
         return call
+
+
+class TimedCoordinator(Coordinator):
+    """The product's `Coordinator`, unchanged but for a timer around each `tick()`: `timings`
+    gets (start, wall s, whether it read heartbeats, store requests, store s, the process's CPU
+    s) per tick, and `on_tick()` runs after each. Its store must be a `CountingStore`."""
+
+    def __init__(self, store: CountingStore, world_size: int, cfg, *, log=print, on_tick=None):
+        super().__init__(store, world_size, cfg, log=log)
+        self.counted = store
+        self.timings: list[tuple] = []
+        self.on_tick = on_tick or (lambda: None)
+
+    def tick(self) -> None:
+        store, reads_hb = self.counted, self.reads_heartbeats_next
+        r0, s0, t0, c0 = store.requests, store.seconds, time.monotonic(), time.process_time()
+        super().tick()
+        wall, cpu = time.monotonic() - t0, time.process_time() - c0
+        self.timings.append((t0, wall, reads_hb, store.requests - r0, store.seconds - s0, cpu))
+        self.on_tick()
 
 
 # ------------------------------------------------------------------------- synthetic clients
@@ -422,11 +462,10 @@ class _Worker:
         for r in self.layout.node_ranks(node):
             if not self.alive[r] and r not in dying:
                 continue  # reported dead earlier: the agent no longer has the process
-            entry = [self.inc[r], 100000 + r, "S" if self.alive[r] else "Z", 1]
+            ranks[r] = entry = rank_entry(r, self.inc[r], self.alive[r])
             if self.mode == "b":
-                entry += list(self._hb_progress(r, now))
-            ranks[str(r)] = entry
-        return json.dumps({"seq": f"{node + 1}:{self.report_seq[node]}", "ranks": ranks})
+                entry.beats, entry.progress = self._hb_progress(r, now)
+        return NodeReport(f"{node + 1}:{self.report_seq[node]}", ranks).to_json()
 
     def _hb_progress(self, rank: int, now: float) -> tuple[int, str]:
         """Mode b: the heartbeat counter and progress the trainer handed to its agent."""
@@ -531,10 +570,9 @@ class _Worker:
             if r in self.dying[node]:
                 self.dying[node].remove(r)
             s.set(keys.progress(r), f"{self.inc[r]}:-1:idle")
-            reg = {"incarnation": self.inc[r], "pid": 100000 + r, "host": "synthetic"}
-            reg.update(tp=self.spec["tp"], world=self.layout.ranks, node=node)
+            reg = _registration(r, self.inc[r], self.spec["tp"], self.layout, node)
             s.add(keys.heartbeat(r), 1)  # Heartbeat.__init__, in both modes
-            keys.register(s, r, json.dumps(reg))  # registration, its log entry, the counter
+            keys.register(s, r, reg)  # registration, its log entry, the counter
             if self.mode == "a":
                 self.seen[r] = self.max_gen
                 self._schedule(r, now + 0.01)
@@ -607,7 +645,7 @@ class _Worker:
 
 # --------------------------------------------------------------------------------- processes
 def _child_setup() -> None:
-    from megatron_mecefo.failover.lifecycle import die_with_parent
+    from megatron_mecefo.control.proc import die_with_parent
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops its children itself
@@ -644,41 +682,39 @@ def _worker_main(spec: dict, index: int, counters, commands, out) -> None:
 
 
 def _coordinator_main(spec: dict, counters, stop, out) -> None:
-    """The real Coordinator (mode a) or AggregatedCoordinator (mode b), looping as
-    `coordinator.main` does (tick, epoch check every 20 ticks, agents count, sleep 50 ms)."""
+    """The real Coordinator in its own loop (`Coordinator.run`: tick, epoch check every 20
+    ticks, agents count, sleep 50 ms), each tick timed (`TimedCoordinator`); its tick count and
+    store requests are published in the last two `counters` after each tick and between ticks."""
     _child_setup()
     store = CountingStore(keys.connect(spec["address"], 30.0))
     cfg = DetectorConfig(heartbeat_timeout_s=spec["heartbeat_timeout_s"])
     notes: list[str] = []
     coord = None
 
-    def log(msg: str) -> None:  # _publish logs right after it set GEN: the publication time
+    def log(msg: str) -> None:  # a generation is logged right after GEN is set: its publication
         m = GEN_LOG_RE.match(msg)
         if m:
             out.put(("gen", int(m.group(1)), time.monotonic(), list(coord.members), m.group(2)))
         elif len(notes) < 100:
             notes.append(msg[:300])
 
-    cls = COORDINATORS[spec["mode"]]
-    coord = cls(store, spec["ranks"], cfg, log=log)
+    def publish() -> None:
+        counters[len(counters) - 2] = coord.ticks
+        counters[len(counters) - 1] = store.requests
+
+    def should_stop() -> bool:  # between ticks: after the loop's own requests and its sleep
+        publish()
+        return stop.is_set()
+
+    coord = TimedCoordinator(store, spec["ranks"], cfg, log=log, on_tick=publish)
     t = time.perf_counter()
     coord.restore()
     out.put(("restored", time.perf_counter() - t, store.requests))
-    ticks = []
-    while not stop.is_set():
-        reads_hb = (coord._ticks + 1) % 2 == 0 or coord.gen == 0
-        r0, s0, t0, c0 = store.requests, store.seconds, time.monotonic(), time.process_time()
-        coord.tick()
-        wall, cpu = time.monotonic() - t0, time.process_time() - c0
-        ticks.append((t0, wall, reads_hb, store.requests - r0, store.seconds - s0, cpu))
-        if coord._ticks % 20 == 0:
-            coord.superseded()
-        keys.get_int(store, keys.AGENTS_ACTIVE, 0)
-        counters[len(counters) - 2] += 1
-        counters[len(counters) - 1] = store.requests
-        time.sleep(cfg.poll_s)
+    why = coord.run(should_stop)
+    if why != "stopped":  # a newer coordinator, or every agent gone: neither happens here
+        notes.insert(0, f"Coordinator.run stopped early: {why}")
     coord.close()
-    out.put(("coordinator", {"ticks": ticks, "by_op": store.by_op, "notes": notes}))
+    out.put(("coordinator", {"ticks": coord.timings, "by_op": store.by_op, "notes": notes}))
 
 
 def _cpu_s(pid: int, tid: int | None = None) -> float:
@@ -751,6 +787,12 @@ class _Inbox:
 
 
 # ------------------------------------------------------------------------------ one configuration
+def _registration(rank: int, incarnation: int, tp: int, layout: Layout, node: int) -> str:
+    """A synthetic rank's registration (`records.Registration`)."""
+    reg = Registration(incarnation, SYNTHETIC_PID + rank, "synthetic", tp, layout.ranks, node)
+    return reg.to_json()
+
+
 def _populate(store, mode: str, layout: Layout, run_dir: str, tp: int) -> None:
     """What the job's start-up leaves in the store: every rank registered and beating once, every
     node's agent reporting, GEN = 0 (the bench sets it so that mode b's multi_get finds it; the
@@ -764,9 +806,7 @@ def _populate(store, mode: str, layout: Layout, run_dir: str, tp: int) -> None:
         keys.RUN_DIR: f"{run_dir}|{time.time()}",
     }
     for r in range(layout.ranks):
-        reg = {"incarnation": 0, "pid": 100000 + r, "host": "synthetic", "tp": tp}
-        reg.update(world=layout.ranks, node=r // layout.ranks_per_node)
-        items[keys.registration(r)] = json.dumps(reg)
+        items[keys.registration(r)] = _registration(r, 0, tp, layout, r // layout.ranks_per_node)
         items[keys.heartbeat(r)] = "1"
         items[keys.progress(r)] = "0:-1:idle"
     for n in range(layout.nodes):
@@ -1025,10 +1065,7 @@ class _Run:
 
 
 def _detection_events(run_dir: Path) -> list[float]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    events = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    events = read_jsonl(run_dir / "events.jsonl")
     return [  # the failed ranks' own (their TP peers are removed with them, latency 0)
         e["latency_ms"]
         for e in events
@@ -1093,17 +1130,15 @@ def _project(res: dict, args) -> None:
 def run_real(nproc: int, args) -> dict:
     """`launch/local/run.sh` with NPROC ranks of the tiny demo model and one SIGKILL (the last
     rank at step --real-kill-step, back after 3 steps): detection and regroup from events.jsonl."""
-    avail_gb = _mem_available_gb()
+    avail_gb = mem_available_gb()
     need_gb = 0.4 * (nproc + 2) + 1.0  # ~360 MB a rank, a warm spare, the agent and coordinator
     res = {"nproc": nproc, "mem_available_gb": avail_gb, "loadavg_1m": os.getloadavg()[0]}
     if avail_gb < need_gb:
         return {**res, "skipped": f"needs ~{need_gb:.0f} GB, {avail_gb:.1f} GB available"}
     victim, kill_at = nproc - 1, args.real_kill_step
     run_dir = Path(tempfile.mkdtemp(prefix=f"mecefo-real-{nproc}-")) / "run"
-    cmd = ["bash", str(ROOT / "launch/local/run.sh"), "--config", "configs/run/demo_cpu.yaml"]
-    cmd += ["--max-steps", str(kill_at + 8), "--run-dir", str(run_dir)]
-    cmd += [f"--inject=kill:{victim}:{kill_at}:3", f"data.demo_dir={args.demo_dir}"]
-    cmd += ["training.eval_interval=0", "logging.print_interval=0"]
+    cmd = ["bash", str(ROOT / "launch/local/run.sh")]
+    cmd += demo_job_args(kill_at + 8, run_dir, args.demo_dir, f"--inject=kill:{victim}:{kill_at}:3")
     env = {**os.environ, "NPROC": str(nproc), "PYTHON": sys.executable, "PYTHONWARNINGS": "ignore"}
     log = run_dir.parent / "job.log"
     t0, first_step = time.monotonic(), None
@@ -1131,8 +1166,7 @@ def run_real(nproc: int, args) -> dict:
 
 
 def _real_latencies(run_dir: Path, victim: int) -> dict:
-    path = run_dir / "events.jsonl"
-    events = [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+    events = read_jsonl(run_dir / "events.jsonl")
     det = [
         e["latency_ms"] for e in events if e["type"] == "detection" and victim in e.get("ranks", [])
     ]
@@ -1146,19 +1180,9 @@ def _real_latencies(run_dir: Path, victim: int) -> dict:
     }
 
 
-def _mem_available_gb() -> float:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    return 0.0
-
-
 # ------------------------------------------------------------------------------------ reporting
 def _fmt(value, scale: float = 1.0, digits: int = 2) -> str:
-    if value is None:
-        return "n/a"
-    return f"{value * scale:,.{digits}f}"
+    return cell(value, f",.{digits}f", scale=scale)
 
 
 def _row_values(r: dict) -> dict[str, object]:
@@ -1263,11 +1287,9 @@ def format_real(rows: list[dict]) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench_parser(__doc__)
     p.add_argument("--ranks", type=int, nargs="+", default=[1024, 4096, 16384])
-    p.add_argument("--modes", nargs="+", choices=tuple(COORDINATORS), default=list(COORDINATORS))
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument(
         "--ranks-per-node", type=int, default=8, help="also the TP size (node = replica)"
     )
@@ -1302,25 +1324,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _machine() -> dict:
-    import platform
-
-    return {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "mem_available_gb": _mem_available_gb(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
 def main(argv=None) -> int:
     import multiprocessing as mp
 
     args = parse_args(argv)
     real = args.real_nproc is not None
     out = Path(args.out or f"bench_out/control_plane{'_real' if real else ''}.json")
-    doc = {"machine": _machine(), "args": vars(args)}
+    doc = {"machine": machine(), "args": vars(args)}
     if real:
         rows = []
         for n in args.real_nproc or [8, 16, 32]:
@@ -1341,10 +1351,7 @@ def main(argv=None) -> int:
                 )
         doc["synthetic"] = rows
         print("\n" + format_tables(rows) + "\n\n" + LEGEND)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str))
-    print(f"wrote {out}")
-    return 0
+    return write_json(doc, out, indent=1, blank_line=False)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
+from bench_common import (  # noqa: E402 - after the path fix
+    bench_parser,
+    fastest_of_rounds,
+    init_torch,
+    save_json,
+    write_json,
+)
+
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
 
 # name -> (description, [(start fraction, end fraction, dead replicas)]) for n = 4 replicas
@@ -52,9 +60,7 @@ TECHNIQUES = ("skip_attention_backward", "recompute_ffn", "lowrank_ffn_grad")
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench_parser(__doc__)
     p.add_argument("--corpus", choices=["demo", "fortunes", "kjv"], default="demo")
     p.add_argument("--model", default="tiny", help="model preset")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layers")
@@ -416,10 +422,9 @@ def calibrate(args, ctx):
     }
     for t in candidate_techniques(installed):
         cases[t.key] = plan([False] * m + [True] * m, t)
-    best = {k: math.inf for k in cases}
-    for _ in range(args.calib_reps):  # interleaved, min of each
-        for k, p in cases.items():
-            best[k] = min(best[k], time_plan(engine, p, 1))
+    best = fastest_of_rounds(  # interleaved, min of each
+        lambda p, step: time_plan(engine, p, 1), cases, args.calib_reps, warmup=False
+    )
     exact_mb = max(1e-9, (best["double"] - best["exact"]) / m)
 
     def degraded_mb(key):
@@ -449,8 +454,7 @@ def load_or_calibrate(args, ctx):
         return CostModel.from_measured(**saved["cost_model"])
     cost = calibrate(args, ctx)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"cost_model": vars(cost), "shape": shape}, indent=2))
+        save_json({"cost_model": vars(cost), "shape": shape}, path)
     return cost
 
 
@@ -739,15 +743,10 @@ def main() -> int:
         print(markdown_table(args.table))
         return 0
     args = parse_args()
-    import torch
-
-    from megatron_mecefo.mcore.config import ParallelConfig
-    from megatron_mecefo.mcore.parallel import init_parallel
     from megatron_mecefo.plan import load_accuracy_costs
 
-    torch.set_num_threads(args.threads)
+    ctx = init_torch(args.threads)
     args.data_overrides = corpus_overrides(args)
-    ctx = init_parallel(ParallelConfig())
     report = {
         "args": {k: v for k, v in vars(args).items() if k != "data_overrides"},
         "skip_attention_layers": _default_skip_layers(),
@@ -761,11 +760,11 @@ def main() -> int:
         print(f"\nrelative FFN weight-gradient error at r = {args.rank} of the input dim:")
         for linear, vals in report["basis_error"]["mean"].items():
             print(f"  {linear:<4} " + "  ".join(f"{k} {v:.3f}" for k, v in vals.items()))
-        return _write(report, args.out)
+        return write_json(report, args.out)
     if args.grad_error:
         args.seed = args.seeds[0]
         report["grad_error"] = grad_error(args, ctx)
-        return _write(report, args.out)
+        return write_json(report, args.out)
     accuracy = load_accuracy_costs(args.accuracy_table or None)
     report["accuracy_table"] = {"source": accuracy.source, "costs": dict(accuracy.costs)}
     args.seed = args.seeds[0]
@@ -803,26 +802,25 @@ def main() -> int:
     print_table(report, args)
     if args.accuracy_costs:
         write_accuracy_costs(report, args)
-    return _write(report, args.out)
+    return write_json(report, args.out)
 
 
 def _write_partial(report: dict, by_seed: dict, rows: list[dict], args) -> None:
     first = by_seed[str(args.seeds[0])]
     partial = {**report, "failure_free": {**first, "by_seed": by_seed}, "rows": rows}
     partial["complete"] = False
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(partial, indent=2, default=str))
+    save_json(partial, args.out)
 
 
 def _row(args, run, base, scenario, name, normal_plan, normal_s, seed) -> dict:
     policy, overrides = CONFIGS[name]
     engine, slow = run["engine"], run["slowest_plan"]
-    t_normal = t_slow = math.inf
-    time_plan(engine, normal_plan, 1)  # warm-up: the first step at a new tau-bucket refreshes V
-    time_plan(engine, slow, 1)
-    for _ in range(args.reps):  # interleaved A/B on the trained engine
-        t_normal = min(t_normal, time_plan(engine, normal_plan, 1))
-        t_slow = min(t_slow, time_plan(engine, slow, 1))
+    # interleaved A/B on the trained engine, after a warm-up step of each (the first step at a
+    # new tau-bucket refreshes V)
+    best = fastest_of_rounds(
+        lambda p, step: time_plan(engine, p, 1), {"normal": normal_plan, "slow": slow}, args.reps
+    )
+    t_normal, t_slow = best["normal"], best["slow"]
     gap = run["val_loss"] - base["val_loss"]
     row = {
         "scenario": scenario,
@@ -976,14 +974,6 @@ def print_table(report: dict, args) -> None:
             f"{r['mean_predicted_step_ratio']['mean']:>8.2f}"
             f"{100 * r['degraded_fraction']['mean']:>9.1f}%"
         )
-
-
-def _write(report: dict, out: str) -> int:
-    path = Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {path}")
-    return 0
 
 
 if __name__ == "__main__":

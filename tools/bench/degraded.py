@@ -34,13 +34,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "bench"))  # bench_common, bench_engine
 sys.path.insert(0, str(ROOT))
+
+from bench_common import (  # noqa: E402 - after the path fix
+    bench_parser,
+    fastest_of_rounds,
+    init_torch,
+    sync,
+    timed_train_step,
+    write_json,
+)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench_parser(__doc__)
     p.add_argument("--models", nargs="*", default=None, help="presets (default: tiny small on CPU)")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--mbs", type=int, default=4, help="micro-batch size (sequences)")
@@ -168,21 +176,18 @@ class EngineRank:
     def step(self, degraded_flags: list, step: int = 0) -> float:
         """One optimizer step running these micro-batch modes (False: exact, True: degraded with
         the configured techniques, a DegradedTechniques: degraded with it); returns seconds."""
-        from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
+        from megatron_mecefo.plan.step_plan import MicroBatchTask
 
         def task(i: int, flag) -> MicroBatchTask:
             # micro-batches beyond M are another replica's, as in a takeover
             techniques = None if isinstance(flag, bool) else flag
             return MicroBatchTask(i // self.m, i % self.m, bool(flag), techniques)
 
-        tasks = tuple(task(i, flag) for i, flag in enumerate(degraded_flags))
+        tasks = [task(i, flag) for i, flag in enumerate(degraded_flags)]
         replicas = -(-len(tasks) // self.m)
-        plan = RankStepPlan(tasks=tasks, num_replicas=replicas, microbatches_per_replica=self.m)
-        sync()
-        start = time.perf_counter()
-        self.engine.train_step(step, plan)
-        sync()
-        return time.perf_counter() - start
+        return timed_train_step(
+            self.engine, tasks, step, num_replicas=replicas, microbatches_per_replica=self.m
+        )
 
     def peak_activation_bytes(self, degraded) -> int:
         """CPU: bytes autograd saves for one micro-batch; GPU: peak allocation above weights."""
@@ -213,29 +218,16 @@ class EngineRank:
             self.controller.set_degraded(False)
 
 
-def sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def timed_round_robin(rank: EngineRank, scenarios: dict, reps: int) -> dict:
+    """Fastest of `reps` steps of `rank` per scenario (label -> micro-batch flags), interleaved
+    round by round after a warm-up step of each (and the V refresh of bucket 0)."""
+    return fastest_of_rounds(lambda flags, step: rank.step(flags, step=step), scenarios, reps)
 
 
 def timed(rank: EngineRank, flags: list[bool], reps: int) -> float:
-    """Fastest of `reps` steps: on a shared CPU, interference only ever adds time."""
-    rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
-    return min(rank.step(flags, step=1) for _ in range(reps))
-
-
-def timed_round_robin(rank: EngineRank, scenarios: dict, reps: int) -> dict:
-    """Fastest of `reps` steps per scenario, scenarios interleaved round by round so that slow
-    drift of the machine's speed hits every scenario alike (ratios come from the same rounds)."""
-    for flags in scenarios.values():
-        rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
-    best = {label: float("inf") for label in scenarios}
-    for _ in range(reps):
-        for label, flags in scenarios.items():
-            best[label] = min(best[label], rank.step(flags, step=1))
-    return best
+    """Fastest of `reps` steps after a warm-up step: on a shared CPU, interference only ever
+    adds time."""
+    return timed_round_robin(rank, {"": flags}, reps)[""]
 
 
 def bench_model(name: str, args, ctx) -> dict:
@@ -305,11 +297,7 @@ def bench_model(name: str, args, ctx) -> dict:
     del plain
     svd_s = refresh_time(rank, rank.engine.cfg.mecefo.tau)
     return {
-        "model": name,
-        "config": vars(model_cfg),
-        "device": str(ctx.device),
-        "mbs": args.mbs,
-        "microbatches": m,
+        **_result_head(name, model_cfg, args, ctx),
         "cost_model": {**vars(cost), "technique_microbatch_s": dict(cost.technique_microbatch_s)},
         "calibration": calibration,
         "rows": rows,
@@ -336,14 +324,15 @@ def bench_skip_layers(name: str, args, ctx) -> dict:
         s: EngineRank(name, args, ctx, overrides=skip_layer_overrides(s)) for s in args.skip_layers
     }
     scenarios = {"exact": [False] * m, "degraded": [True] * m}
-    for rank in ranks.values():
-        for flags in scenarios.values():
-            rank.step(flags, step=0)  # warm-up (and the V refresh of bucket 0)
-    best = {(s, label): float("inf") for s in ranks for label in scenarios}
-    for _ in range(args.reps):
-        for setting, rank in ranks.items():
-            for label, flags in scenarios.items():
-                best[setting, label] = min(best[setting, label], rank.step(flags, step=1))
+    best = fastest_of_rounds(  # every engine's every scenario, interleaved
+        lambda rank_flags, step: rank_flags[0].step(rank_flags[1], step=step),
+        {
+            (s, label): (rank, flags)
+            for s, rank in ranks.items()
+            for label, flags in scenarios.items()
+        },
+        args.reps,
+    )
     model_cfg = next(iter(ranks.values())).model_cfg
     # exact mode is the same computation whatever the setting: the fastest exact step of all
     # engines is the common baseline (less noise than each engine's own)
@@ -366,14 +355,17 @@ def bench_skip_layers(name: str, args, ctx) -> dict:
                 "exact_activation_bytes": rank.peak_activation_bytes(False),
             }
         )
+    return {**_result_head(name, model_cfg, args, ctx), "reps": args.reps, "rows": rows}
+
+
+def _result_head(name: str, model_cfg, args, ctx) -> dict:
+    """The fields a model's result starts with, in both benches."""
     return {
         "model": name,
         "config": vars(model_cfg),
         "device": str(ctx.device),
         "mbs": args.mbs,
-        "microbatches": m,
-        "reps": args.reps,
-        "rows": rows,
+        "microbatches": args.microbatches,
     }
 
 
@@ -587,13 +579,7 @@ def print_table(result: dict) -> None:
 
 def main() -> int:
     args = parse_args()
-    import torch
-
-    from megatron_mecefo.mcore.config import ParallelConfig
-    from megatron_mecefo.mcore.parallel import init_parallel
-
-    torch.set_num_threads(args.threads)
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_torch(args.threads)
     device = ctx.device
     models = (
         args.models
@@ -606,7 +592,7 @@ def main() -> int:
             result = bench_skip_layers(name, args, ctx)
             print_skip_layers_table(result)
             report["skip_layers"].append(result)
-        return write_report(report, args.out)
+        return write_json(report, args.out)
     report = {"models": [], "svd": [], "grad_error": []}
     for name in models:
         result = bench_model(name, args, ctx)
@@ -616,15 +602,7 @@ def main() -> int:
             report["grad_error"] += grad_error(name, args, device, args.grad_error_steps)
     for name in args.svd_shapes:
         report["svd"] += bench_svd(name, device)
-    return write_report(report, args.out)
-
-
-def write_report(report: dict, path: str) -> int:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {out}")
-    return 0
+    return write_json(report, args.out)
 
 
 if __name__ == "__main__":

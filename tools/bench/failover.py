@@ -28,14 +28,15 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
+
+from bench_common import bench_parser, cell, demo_job_args, read_jsonl, write_json  # noqa: E402
+
 SCENARIOS = {"kill": "kill:2:10:5", "hang": "hang:1:10:5", "exception": "exception:3:10:5"}
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench_parser(__doc__)
     p.add_argument("--steps", type=int, default=40, help="steps of each failure run")
     p.add_argument("--overhead-steps", type=int, default=200, help="steps of each overhead run")
     p.add_argument("--repeats", type=int, default=2, help="A/B pairs of overhead runs")
@@ -47,23 +48,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def _run(launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, extra=()) -> dict:
-    train_args = [
-        "--config",
-        str(CONFIG),
-        "--max-steps",
-        str(steps),
-        "--run-dir",
-        str(run_dir),
-        f"data.demo_dir={demo_dir}",
-        "training.eval_interval=0",
-        "logging.print_interval=0",
-        *extra,
-    ]
+    train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
     if launcher == "failover":
         cmd = [
             sys.executable,
             "-m",
-            "megatron_mecefo.failover.agent",
+            "megatron_mecefo.failover.node.agent_cli",
             "--nproc-per-node",
             str(nproc),
             "--",
@@ -89,17 +79,10 @@ def _run(launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, ex
             f"error: {launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
             f"{proc.stderr[-3000:]}"
         )
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    events_path = run_dir / "events.jsonl"
-    events = (
-        [json.loads(x) for x in events_path.read_text().splitlines()]
-        if (events_path.exists())
-        else []
-    )
     return {
         "wall_s": time.monotonic() - start,
-        "metrics": metrics,
-        "events": events,
+        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
+        "events": read_jsonl(run_dir / "events.jsonl"),
         "summary": json.loads((run_dir / "summary.json").read_text()),
     }
 
@@ -172,7 +155,7 @@ def main() -> int:
     for r in rows:
 
         def f(v, fmt):
-            return format(v, fmt) if v is not None else "-"
+            return cell(v, fmt, missing="-")
 
         print(
             f"{r['kind']:<10} {f(r['detection_ms'], '9.0f')} {f(r['regroup_ms'], '10.0f')} "
@@ -205,10 +188,7 @@ def main() -> int:
             ),
         },
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
-    return 0
+    return write_json(out, args.out, blank_line=False)
 
 
 if __name__ == "__main__":

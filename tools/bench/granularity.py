@@ -19,21 +19,24 @@ of it). One process at a time; DP communication is not included (DESIGN.md secti
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
+from bench_common import (  # noqa: E402 - after the path fix
+    bench_parser,
+    fastest_of_rounds,
+    init_torch,
+    timed_train_step,
+    write_json,
+)
+
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench_parser(__doc__)
     p.add_argument("--models", nargs="*", default=None, help="presets (default: tiny small)")
     p.add_argument("--mbs", type=int, default=4, help="micro-batch size b (sequences)")
     p.add_argument("--microbatches", type=int, default=8, help="M, micro-batches per replica")
@@ -64,23 +67,6 @@ def slowest_tasks(n: int, m: int, b: int, granularity: str):
     return plans[slowest].tasks, times[slowest] / m
 
 
-def run_step(engine, tasks, n: int, m: int, b: int, step: int) -> float:
-    import torch
-
-    from megatron_mecefo.plan.step_plan import RankStepPlan
-
-    plan = RankStepPlan(
-        tasks=tuple(tasks), num_replicas=n, microbatches_per_replica=m, micro_batch_size=b
-    )
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.train_step(step, plan)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def bench_model(name: str, args, ctx) -> dict:
     from bench_engine import build_bench_engine
 
@@ -98,12 +84,14 @@ def bench_model(name: str, args, ctx) -> dict:
         for granularity in ("microbatch", "sample"):
             tasks, pred = slowest_tasks(n, m, b, granularity)
             scenarios[f"{granularity} n={n}"] = (tasks, n, pred)
-    for tasks, n, _ in scenarios.values():
-        run_step(engine, tasks, n, m, b, step=0)  # warm-up
-    best = {label: math.inf for label in scenarios}
-    for _ in range(args.reps):  # interleaved: drift of the machine hits every scenario alike
-        for label, (tasks, n, _) in scenarios.items():
-            best[label] = min(best[label], run_step(engine, tasks, n, m, b, step=1))
+
+    def run(scenario, step: int) -> float:
+        tasks, n, _ = scenario
+        return timed_train_step(
+            engine, tasks, step, num_replicas=n, microbatches_per_replica=m, micro_batch_size=b
+        )
+
+    best = fastest_of_rounds(run, scenarios, args.reps)  # interleaved, after a warm-up of each
     normal = best["normal"]
     extra_tasks = m * (b - 1)
     slice_overhead_s = max(0.0, (best["cut"] - normal) / extra_tasks)
@@ -160,24 +148,14 @@ def print_table(result: dict) -> None:
 
 def main() -> int:
     args = parse_args()
-    import torch
-
-    from megatron_mecefo.mcore.config import ParallelConfig
-    from megatron_mecefo.mcore.parallel import init_parallel
-
-    torch.set_num_threads(args.threads)
-    ctx = init_parallel(ParallelConfig())
+    ctx = init_torch(args.threads)
     models = args.models if args.models is not None else ["tiny", "small"]
     report = {"args": vars(args), "models": []}
     for name in models:
         result = bench_model(name, args, ctx)
         print_table(result)
         report["models"].append(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {out}")
-    return 0
+    return write_json(report, args.out)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,13 +26,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+sys.path.insert(0, str(ROOT / "tools" / "bench"))
+
+from bench_common import (  # noqa: E402 - after the path fix
+    bench_parser,
+    cell,
+    demo_job_args,
+    median_of,
+    read_jsonl,
+    write_json,
+)
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = bench_parser(__doc__)
     p.add_argument("--nnodes", type=int, default=2, help="working nodes")
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--standby", type=int, default=1, help="standby nodes (0: no spare)")
@@ -55,7 +61,7 @@ def _node_agents(launcher: subprocess.Popen):
     agents = {}
     for proc in psutil.Process(launcher.pid).children():
         cmd = proc.cmdline()
-        if "megatron_mecefo.failover.agent" in cmd and "--node-rank" in cmd:
+        if "megatron_mecefo.failover.node.agent_cli" in cmd and "--node-rank" in cmd:
             node = int(cmd[cmd.index("--node-rank") + 1])
             agents[(node, "--standby" in cmd)] = proc
     return agents
@@ -80,20 +86,8 @@ def run_round(args, run_dir: Path) -> dict:
         "NPROC": str(args.nproc),
         "PYTHONWARNINGS": "ignore",
     }
-    cmd = [
-        "bash",
-        str(ROOT / "launch" / "local" / "run.sh"),
-        "--config",
-        str(CONFIG),
-        "--max-steps",
-        str(args.steps),
-        "--run-dir",
-        str(run_dir),
-        f"data.demo_dir={args.demo_dir}",
-        "training.eval_interval=0",
-        "logging.print_interval=0",
-        "failover.audit=true",
-    ]
+    cmd = ["bash", str(ROOT / "launch" / "local" / "run.sh")]
+    cmd += demo_job_args(args.steps, run_dir, args.demo_dir, "failover.audit=true")
     log = run_dir.with_suffix(".log")
     start = time.monotonic()
     with open(log, "w") as fh:
@@ -117,8 +111,8 @@ def run_round(args, run_dir: Path) -> dict:
 
 
 def summarize(run_dir: Path, rc: int, killed_at: float | None, wall_s: float, args) -> dict:
-    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x]
-    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    events = read_jsonl(run_dir / "events.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     lost_ranks = set(range(args.nproc, 2 * args.nproc))
     detections = [
         e["latency_ms"] for e in events if e["type"] == "detection" and set(e["ranks"]) & lost_ranks
@@ -137,11 +131,6 @@ def summarize(run_dir: Path, rc: int, killed_at: float | None, wall_s: float, ar
         "rejoin_bytes": sum(int(e.get("bytes", 0)) for e in rejoins),
         "steps_logged": len(metrics),
     }
-
-
-def _median(rows: list[dict], key: str):
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(values) if values else None
 
 
 def main() -> int:
@@ -165,13 +154,10 @@ def main() -> int:
         ("rejoin_bytes", "bytes"),
         ("final_replicas", f"of {world}"),
     ):
-        value = _median(rows, key)
-        shown = "n/a" if value is None else f"{value:.1f}" if isinstance(value, float) else value
+        value = median_of(r.get(key) for r in rows)
+        shown = cell(value, ".1f" if isinstance(value, float) else "")
         print(f"{key + ' (' + unit + ')':<34}{shown:>12}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rounds": rows}, indent=2))
-    print(f"\nwrote {out}")
+    write_json({"args": vars(args), "rounds": rows}, args.out)
     ok = all(r["exit_code"] == 0 and r["killed"] for r in rows)
     return 0 if ok else 1
 

@@ -283,7 +283,7 @@ def end_to_end(demo_dir: str, work: Path, steps: int, say) -> dict:
         cmd = [
             sys.executable,
             "-m",
-            "megatron_mecefo.failover.agent",
+            "megatron_mecefo.failover.node.agent_cli",
             "--nproc-per-node",
             "2",
             "--restart-delay-s",

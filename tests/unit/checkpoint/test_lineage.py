@@ -11,6 +11,7 @@ import pytest
 from megatron_mecefo.checkpoint import layout
 from megatron_mecefo.checkpoint.config import CheckpointConfig
 from megatron_mecefo.checkpoint.manager import find_resume
+from megatron_mecefo.checkpoint.resume import resolve
 from megatron_mecefo.config.loader import load_config
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.errors import CheckpointError
@@ -145,22 +146,22 @@ def test_an_explicit_resume_is_a_branch_from_that_folder(tmp_path):
 
 def test_resolve_continues_a_run_directory_and_branches_on_an_explicit_resume(tmp_path):
     cfg = _cfg(tmp_path)
-    first = ident.resolve(cfg, dp_size=1)
+    first = resolve(cfg, dp_size=1)
     assert first.lineage[-1].endswith("@0") and first.config is not None
-    assert ident.resolve(cfg, dp_size=1) != first  # no identity.json yet: each start is new
+    assert resolve(cfg, dp_size=1) != first  # no identity.json yet: each start is new
     (tmp_path / "run").mkdir()
     ident.write_file(tmp_path / "run", first)
-    assert ident.resolve(cfg, dp_size=1) == first  # resume=auto continues it
-    assert ident.resolve(cfg, dp_size=1, resume="never").run_id != first.run_id
-    lr = ident.resolve(_cfg(tmp_path, "training.lr=0.001"), dp_size=1)
+    assert resolve(cfg, dp_size=1) == first  # resume=auto continues it
+    assert resolve(cfg, dp_size=1, resume="never").run_id != first.run_id
+    lr = resolve(_cfg(tmp_path, "training.lr=0.001"), dp_size=1)
     assert (lr.run_id, lr.lineage) == (first.run_id, first.lineage)
     assert lr.config_hash != first.config_hash  # (its checkpoints will be refused: "changed")
     folder = _ckpt(tmp_path / "ck", 10, identity=first)
-    branch = ident.resolve(cfg, dp_size=1, resume=str(folder))
+    branch = resolve(cfg, dp_size=1, resume=str(folder))
     assert branch.run_id == first.run_id and branch.lineage[:-1] == first.lineage
     assert branch.lineage[-1].endswith("@10") and branch.relation(first.to_dict(), 10) == "ancestor"
     # every rank takes the agreed proposal, whatever it proposed itself
-    agreed = ident.resolve(cfg, dp_size=1, share=lambda _: json.dumps(branch.to_dict()))
+    agreed = resolve(cfg, dp_size=1, share=lambda _: json.dumps(branch.to_dict()))
     assert agreed == branch
 
 

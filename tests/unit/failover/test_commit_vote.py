@@ -13,10 +13,12 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from megatron_mecefo.config.run import RunConfig
-from megatron_mecefo.failover import keys
-from megatron_mecefo.failover.config import FailoverConfig
-from megatron_mecefo.failover.manager import FailoverManager
+from megatron_mecefo.control import keys
+from megatron_mecefo.failover.trainer.collectives import AbortableCollectives
+from megatron_mecefo.failover.trainer.commit import CommitVote
+from megatron_mecefo.failover.trainer.membership import LiveMembership
+from megatron_mecefo.failover.trainer.plane import ControlPlane
+from megatron_mecefo.training.stop import StopFlag
 
 pytestmark = pytest.mark.timeout(60)
 N = 3
@@ -43,31 +45,38 @@ def _setup(tp):
     )
     store.set(keys.gen_record(1), json.dumps({"members": list(range(N))}))
     store.set(keys.GEN, "1")
-    cfg = RunConfig(failover=FailoverConfig(failure_wait_s=0.3, regroup_timeout_s=20))
-    cfg.parallel.timeout_s = 20
+    address = f"127.0.0.1:{store.port}"
     ranks = []
     for r in range(N * tp):
-        m = FailoverManager(
-            cfg,
-            address=f"127.0.0.1:{store.port}",
-            rank=r,
-            world_size=N * tp,
-            tp_size=tp,
-            incarnation=0,
-            backend="gloo",
+        plane = ControlPlane(address, 10.0, incarnation=0)
+        plane.hb = _Beat()
+        membership = LiveMembership(
+            num_replicas=N, replica=r // tp, members=tuple(range(N)), group=None, generation=1
         )
-        m.hb = _Beat()
-        m.membership.members, m.membership.generation = tuple(range(N)), 1
-        ranks.append(m)
+        membership.collectives = AbortableCollectives(
+            "gloo",
+            lambda p=plane, m=membership: p.membership_lost(m.generation, m.members),
+            lambda: None,
+        )
+        membership.vote = CommitVote(
+            plane,
+            membership,
+            rank=r,
+            tp=tp,
+            stop_flag=StopFlag(),
+            failure_wait_s=0.3,
+            regroup_timeout_s=20,
+        )
+        ranks.append(membership.vote)
     if tp == 1:  # a real DP group per rank, built concurrently like real ranks do
 
-        def build(m):
-            prefix = dist.PrefixStore("pg/1/tp0", keys.connect(m.address, 10))
-            m.membership.group = dist.ProcessGroupGloo(
-                prefix, m.replica, N, datetime.timedelta(seconds=20)
+        def build(v):
+            prefix = dist.PrefixStore("pg/1/tp0", keys.connect(address, 10))
+            v.membership.group = dist.ProcessGroupGloo(
+                prefix, v.membership.replica, N, datetime.timedelta(seconds=20)
             )
 
-        threads = [threading.Thread(target=build, args=(m,)) for m in ranks]
+        threads = [threading.Thread(target=build, args=(v,)) for v in ranks]
         [t.start() for t in threads]
         [t.join(20) for t in threads]
     _KEEP_ALIVE.append((store, ranks))
@@ -78,7 +87,7 @@ def _vote(ranks, oks, voters=None, step=7):
     out = {}
 
     def run(i):
-        out[i] = ranks[i].commit_vote(step, oks[i])
+        out[i] = ranks[i].membership.commit(step, oks[i])
 
     threads = [threading.Thread(target=run, args=(i,)) for i in (voters or range(len(ranks)))]
     [t.start() for t in threads]
@@ -97,7 +106,7 @@ def test_all_succeed_commit(tp):
     threads, out = _vote(ranks, [True] * len(ranks))
     _join(threads)
     assert set(out.values()) == {True} and len(out) == len(ranks)
-    assert all(m._pending is None and m.attempt == 0 for m in ranks)
+    assert all(m.pending is None and m.attempt == 0 for m in ranks)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -109,19 +118,19 @@ def test_one_failed_reduction_means_nobody_commits(tp):
     _join(threads)
     assert set(out.values()) == {False} and len(out) == len(ranks)
     # same membership, so the group is rebuilt under a fresh key and the attempt advances
-    assert {m._pending for m in ranks} == {(1, "pg/1/s7a0")}
+    assert {m.pending for m in ranks} == {(1, "pg/1/s7a0")}
     assert all(m.attempt == 1 for m in ranks)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_member_lost_before_voting_then_new_generation_aborts(tp):
     store, ranks = _setup(tp)
-    voters = [i for i, m in enumerate(ranks) if m.replica != 1]  # replica 1 never votes
+    voters = [i for i, m in enumerate(ranks) if m.membership.replica != 1]  # replica 1 never votes
     threads, out = _vote(ranks, [True] * len(ranks), voters=voters)
     store.set(keys.gen_record(2), json.dumps({"members": [0, 2]}))
     store.set(keys.GEN, "2")
     for m in ranks:
-        m.hb.latest_gen = 2  # what each rank's heartbeat thread would now report
+        m.plane.hb.latest_gen = 2  # what each rank's heartbeat thread would now report
     _join(threads)
     assert set(out.values()) == {False} and sorted(out) == voters
-    assert {ranks[i]._pending for i in voters} == {(2, "pg/2")}
+    assert {ranks[i].pending for i in voters} == {(2, "pg/2")}

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from megatron_mecefo.failover import keys
-from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
-from megatron_mecefo.failover.manager import posted_events
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.records import posted_events
+from megatron_mecefo.failover.authority.coordinator import Coordinator
+from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +69,7 @@ def test_reported_death_removes_replica_and_evicts_it(store):
     c.tick()
     assert members(store) == (2, [0, 1, 3])
     assert store.get(keys.evict(2)) == b"0"
-    evs = posted_events(store)
+    evs = posted_events(store)[0]
     fail = next(e for e in evs if e["type"] == "failure")
     det = next(e for e in evs if e["type"] == "detection")
     assert fail["dp_rank"] == 2 and "injected kill" in fail["detail"]
@@ -95,7 +96,7 @@ def test_heartbeat_silence_is_a_death(store):
     c.tick()
     run_ticks(c, store, beating=(0, 1, 3), seconds=0.6)
     assert members(store) == (2, [0, 1, 3])
-    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    fail = next(e for e in posted_events(store)[0] if e["type"] == "failure")
     assert "no heartbeat" in fail["detail"]
 
 
@@ -150,7 +151,7 @@ def test_hang_detected_when_others_wait_to_reduce(store):
         store.set(keys.progress(r), f"0:5:{'compute' if r == 1 else 'reduce'}")
     run_ticks(c, store, beating=range(4), seconds=0.6)  # alive, but rank 1 never finishes its step
     assert members(store) == (2, [0, 2, 3])
-    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    fail = next(e for e in posted_events(store)[0] if e["type"] == "failure")
     assert fail["dp_rank"] == 1 and "hung in step 5" in fail["detail"]
 
 

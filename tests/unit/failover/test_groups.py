@@ -1,5 +1,5 @@
-"""Superseded process groups (failover/groups.py) on CPU with stand-in groups: an NCCL group is
-aborted and released when a generation replaces it (the manager's `_install` does this), a gloo
+"""Superseded process groups (failover/trainer/groups.py) on CPU with stand-in groups: an NCCL
+group is aborted and released when a generation replaces it (`Regroup._install` does this), a gloo
 group is kept, an abort that hangs is bounded; the NCCL watchdog policy is set explicitly without
 overriding a site's values, and matches the block pretrain.sbatch exports. The real NCCL path is
 tests/gpu/test_nccl_groups_gpu.py."""
@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_mecefo.failover import groups
-from megatron_mecefo.failover.manager import FailoverManager
+from megatron_mecefo.failover.trainer import groups
+from megatron_mecefo.failover.trainer.regroup import Regroup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,24 +61,22 @@ def test_abort_that_hangs_is_bounded_and_the_group_kept():
     assert graveyard == [group] and "did not finish" in said[0]
 
 
-def test_manager_install_aborts_the_previous_nccl_group():
-    """`FailoverManager._install` on a stand-in manager: the new generation's group replaces the
-    old one, which is aborted (NCCL) rather than only abandoned."""
+def test_regroup_install_aborts_the_previous_nccl_group():
+    """`Regroup._install` on a stand-in regroup: the new generation's group replaces the old one,
+    which is aborted (NCCL) rather than only abandoned; the membership forgets the old errors."""
     old, new = FakeGroup(), FakeGroup()
-    membership = types.SimpleNamespace(generation=1, members=(0, 1, 2), group=old)
-    fake = types.SimpleNamespace(
-        membership=membership,
-        backend="nccl",
-        _graveyard=[],
-        log=lambda m: None,
-        attempt=3,
-        collectives=types.SimpleNamespace(reset=lambda: None),
+    resets = []
+    membership = types.SimpleNamespace(
+        generation=1, members=(0, 1, 2), group=old, begin_attempt=lambda: resets.append(1)
     )
-    FailoverManager._install(fake, 2, (0, 1), new)
+    fake = types.SimpleNamespace(
+        membership=membership, backend="nccl", _graveyard=[], log=lambda m: None
+    )
+    Regroup._install(fake, 2, (0, 1), new)
     assert old.aborted.is_set() and fake._graveyard == []
-    assert membership.group is new and membership.generation == 2 and fake.attempt == 0
+    assert membership.group is new and membership.generation == 2 and resets == [1]
     fake.backend, membership.group = "gloo", old
-    FailoverManager._install(fake, 3, (0,), new)
+    Regroup._install(fake, 3, (0,), new)
     assert fake._graveyard == [old]
 
 

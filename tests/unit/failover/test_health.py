@@ -14,8 +14,9 @@ import pytest
 
 from megatron_mecefo import preflight
 from megatron_mecefo.errors import ExitCode
-from megatron_mecefo.failover import health
-from megatron_mecefo.failover.agent import Agent
+from megatron_mecefo.failover.liveness import gpu_health as health
+from megatron_mecefo.failover.node import restart_policy
+from megatron_mecefo.failover.node.agent import Agent
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,10 +67,11 @@ def test_device_id_follows_cuda_visible_devices():
 
 
 def test_restart_backoff():
-    env = {health.BACKOFF_ENV: "2", health.BACKOFF_MAX_ENV: "60"}
-    assert [health.restart_delay_s(5, n, env) for n in range(5)] == [5, 10, 20, 40, 60]
-    assert health.restart_delay_s(5, 3, {}) == 5  # default: no backoff
-    assert health.is_quick_death(10.0, {}) and not health.is_quick_death(3600.0, {})
+    policy = restart_policy
+    env = {policy.BACKOFF_ENV: "2", policy.BACKOFF_MAX_ENV: "60"}
+    assert [policy.restart_delay_s(5, n, env) for n in range(5)] == [5, 10, 20, 40, 60]
+    assert policy.restart_delay_s(5, 3, {}) == 5  # default: no backoff
+    assert policy.is_quick_death(10.0, {}) and not policy.is_quick_death(3600.0, {})
 
 
 def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypatch):
@@ -102,7 +104,7 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         evict_seq_seen=b"0",
         _hand_over=lambda: None,
     )
-    monkeypatch.setattr("megatron_mecefo.failover.keys.get_int", lambda store, key, d=0: 10)
+    monkeypatch.setattr("megatron_mecefo.control.keys.get_int", lambda store, key, d=0: 10)
     assert Agent._tick(fake) is None
     assert spawned == [] and fake.finished == {1}, said
     assert "GPU is unhealthy" in said[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from megatron_mecefo.errors import ConfigError
-from megatron_mecefo.failover import inject
-from megatron_mecefo.failover.membership import Membership
+from megatron_mecefo.testing import inject
+from megatron_mecefo.training.membership import Membership
 
 pytestmark = pytest.mark.timeout(30)
 

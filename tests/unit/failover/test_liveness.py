@@ -1,5 +1,6 @@
 """Telling slow from gone, and a coordinator that takes over from a dead one: the agents' node
-reports (`liveness.py`) and `Coordinator.restore`, on a real in-process TCPStore."""
+reports (`failover/liveness/evidence.py`) and `Coordinator.restore`, on a real in-process
+TCPStore."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import time
 
 import pytest
 
-from megatron_mecefo.failover import keys
-from megatron_mecefo.failover.coordinator import Coordinator
-from megatron_mecefo.failover.liveness import NodeWatch, Verdict, node_key, node_report, proc_state
-from megatron_mecefo.failover.manager import posted_events
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.proc import proc_state
+from megatron_mecefo.control.records import NodeReport, node_report, post_event, posted_events
+from megatron_mecefo.failover.authority.coordinator import Coordinator
+from megatron_mecefo.failover.liveness.evidence import NodeWatch, Verdict
 from tests.unit.failover.test_coordinator import make, members, register, run_ticks
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def report(state: str, inc: int = 0, seq: int = 1) -> str:
-    return json.dumps({"seq": seq, "ranks": {"2": [inc, 1234, state, 10]}})
+def report(state: str, inc: int = 0, seq: int = 1) -> NodeReport:
+    return NodeReport.from_json(json.dumps({"seq": seq, "ranks": {"2": [inc, 1234, state, 10]}}))
 
 
 def test_proc_state_reads_the_kernel():
@@ -74,7 +76,7 @@ def _with_agent(store, state: str, ranks=range(4)):
     seq = keys.get_int(store, "test/seq") + 1
     store.set("test/seq", str(seq))
     store.set(
-        node_key(0),
+        keys.node_key(0),
         json.dumps(
             {"seq": seq, "ranks": {str(r): [0, 1, state if r == 2 else "S", 1] for r in ranks}}
         ),
@@ -103,7 +105,7 @@ def test_silent_but_running_rank_is_slow_until_the_hard_timeout(store):
     assert members(store) == (1, [0, 1, 2, 3])  # silent 1.5 s > soft 0.8 s, but alive
     _tick_with_agent(c, store, "R", 0.8)
     assert members(store) == (2, [0, 1, 3])  # past the hard timeout
-    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    fail = next(e for e in posted_events(store)[0] if e["type"] == "failure")
     assert "alive (state R)" in fail["detail"]
 
 
@@ -113,7 +115,7 @@ def test_silent_and_stopped_rank_is_dead_at_the_soft_timeout(store):
     c.tick()
     _tick_with_agent(c, store, "T", 0.6)
     assert members(store) == (2, [0, 1, 3])
-    assert "state T" in next(e for e in posted_events(store) if e["type"] == "failure")["detail"]
+    assert "state T" in next(e for e in posted_events(store)[0] if e["type"] == "failure")["detail"]
 
 
 def test_a_report_from_before_the_silence_does_not_vouch(store):
@@ -124,7 +126,7 @@ def test_a_report_from_before_the_silence_does_not_vouch(store):
     c.tick()
     run_ticks(c, store, beating=(0, 1, 3), seconds=1.0)  # no agent report after the silence
     assert members(store) == (2, [0, 1, 3])
-    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    fail = next(e for e in posted_events(store)[0] if e["type"] == "failure")
     assert "has not reported since it fell silent" in fail["detail"]
 
 
@@ -149,7 +151,7 @@ def test_a_paused_coordinator_does_not_blame_the_ranks(store):
     run_ticks(c, store, beating=range(4), seconds=0.2)
     assert members(store) == (1, [0, 1, 2, 3])
     assert not store.check([keys.ABORT])
-    assert not [e for e in posted_events(store) if e["type"] == "failure"]
+    assert not [e for e in posted_events(store)[0] if e["type"] == "failure"]
 
 
 def test_restored_coordinator_goes_on_without_repeating_events(store, tmp_path):
@@ -191,7 +193,7 @@ def test_restore_removes_a_member_that_restarted_while_no_coordinator_ran(store)
     assert gens[0]["members"] == [0, 2, 3] and gens[1]["members"] == [0, 1, 2, 3]
     assert gens[1]["incarnations"]["1"] == 1
     assert keys.get_int(store, keys.evict(1), -1) == 0  # the dead one, never the new one
-    fails = [e for e in posted_events(store) if e["type"] == "failure"]
+    fails = [e for e in posted_events(store)[0] if e["type"] == "failure"]
     assert [f["ranks"] for f in fails] == [[1]]
 
 
@@ -227,11 +229,11 @@ def test_the_last_holder_of_state_dying_while_a_replica_rejoins_is_every_replica
     register(store, 1, inc=1, world=2)
     store.add(keys.heartbeat(1), 1)
     keys.report_dead(store, 0, 0)
-    c._ticks |= 1  # the next tick reads heartbeats: rank 1 is ready as rank 0 is removed
+    c.ticks |= 1  # the next tick reads heartbeats: rank 1 is ready as rank 0 is removed
     c.tick()
     if not recoverable:
         assert store.check([keys.ABORT])
-        assert any(e["type"] == "abort" for e in posted_events(store))
+        assert any(e["type"] == "abort" for e in posted_events(store)[0])
         return
     assert not store.check([keys.ABORT]) and c.members == ()
     register(store, 0, inc=1, world=2)
@@ -247,13 +249,13 @@ def test_a_long_tick_is_not_a_pause(store):
     for r in range(4):
         register(store, r)
     c.tick()
-    slow = c._read_dead_reports
+    slow = c.detector.read_dead_reports
 
     def long_read():
         time.sleep(0.6)  # called twice a tick: every tick takes 1.2 s > PAUSE_S
         slow()
 
-    c._read_dead_reports = long_read
+    c.detector.read_dead_reports = long_read
     run_ticks(c, store, beating=(0, 1, 3), seconds=6.0)
     assert members(store) == (2, [0, 1, 3])
 
@@ -261,13 +263,13 @@ def test_a_long_tick_is_not_a_pause(store):
 def test_an_event_whose_poster_died_midway_does_not_block_the_rest(store, tmp_path, monkeypatch):
     """A process that bumps the event counter and dies before writing the value: the coordinator
     skips that number after a bounded wait, and later events still reach events.jsonl."""
-    from megatron_mecefo.failover import coordinator as coord
+    from megatron_mecefo.failover.authority import event_log
 
-    monkeypatch.setattr(coord, "EVENT_WAIT_S", 0.3)
+    monkeypatch.setattr(event_log, "EVENT_WAIT_S", 0.3)
     c = make(store)
     store.set(keys.RUN_DIR, f"{tmp_path}|{time.time()}")
     store.add(keys.EVENT_SEQ, 1)  # the dead poster's half
-    keys.post_event(store, "abort", step=1, dp_rank=None, detail="after the gap")
+    post_event(store, "abort", step=1, dp_rank=None, detail="after the gap")
     c.tick()
     assert not (tmp_path / "events.jsonl").read_text().strip()
     time.sleep(0.4)
@@ -279,7 +281,7 @@ def test_an_event_whose_poster_died_midway_does_not_block_the_rest(store, tmp_pa
 
 def _aggregated_report(store, seq: int, beats: dict[int, int], state: str = "S") -> None:
     entries = {str(r): [0, 1, state, 1, b, "0:3:compute"] for r, b in beats.items()}
-    store.set(node_key(0), json.dumps({"seq": seq, "ranks": entries}))
+    store.set(keys.node_key(0), json.dumps({"seq": seq, "ranks": entries}))
 
 
 def test_aggregated_beats_count_and_a_stalled_agent_hands_over_to_the_ranks_keys(store):
@@ -301,7 +303,7 @@ def test_aggregated_beats_count_and_a_stalled_agent_hands_over_to_the_ranks_keys
     run_ticks(c, store, beating=(0, 1, 3), seconds=2.0)  # switching counted as a beat: 2.1 s+
     assert c.ranks[0].hb_source == "store"
     assert members(store) == (2, [0, 1, 3])
-    fail = next(e for e in posted_events(store) if e["type"] == "failure")
+    fail = next(e for e in posted_events(store)[0] if e["type"] == "failure")
     assert fail["ranks"] == [2] and "no heartbeat" in fail["detail"]
 
 

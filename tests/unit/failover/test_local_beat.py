@@ -11,11 +11,10 @@ import types
 
 import pytest
 
+from megatron_mecefo.control import keys, local_beat
 from megatron_mecefo.errors import ExitCode
-from megatron_mecefo.failover import keys, local_beat
-from megatron_mecefo.failover.agent import Agent
-from megatron_mecefo.failover.heartbeat import Heartbeat
-from megatron_mecefo.failover.liveness import node_key
+from megatron_mecefo.failover.liveness.heartbeat import Heartbeat
+from megatron_mecefo.failover.node.agent import Agent
 from megatron_mecefo.training.stop import StopFlag
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,7 +145,7 @@ def test_the_agent_aggregates_beats_and_relays_the_flags(store, tmp_path):
     agent = _fake_agent(store, tmp_path, {0: me, 1: me})
     local_beat.write_beat(tmp_path, 0, 1, 9, "1:3:reduce", None)
     agent._report_liveness(4, store.get(keys.FLAGS), False)
-    report = json.loads(store.get(node_key(0)))
+    report = json.loads(store.get(keys.node_key(0)))
     assert report["ranks"]["0"][4:] == [9, "1:3:reduce"]
     assert len(report["ranks"]["1"]) == 4  # no beat yet: /proc only (per-rank keys apply)
     control = local_beat.read_control(tmp_path)

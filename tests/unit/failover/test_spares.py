@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from megatron_mecefo.failover import keys
-from megatron_mecefo.failover.liveness import NodeWatch
-from megatron_mecefo.failover.manager import posted_events
-from megatron_mecefo.failover.spares import SparePool
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.records import NodeReport, posted_events
+from megatron_mecefo.failover.authority.spare_pool import SparePool
+from megatron_mecefo.failover.liveness.evidence import NodeWatch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,8 +26,8 @@ def _standby(store, agent_id: int, seq: int) -> None:
 
 def _watch(now: float) -> NodeWatch:
     watch = NodeWatch(agent_timeout_s=1.0)
-    watch.update(0, json.dumps({"seq": 1, "ranks": {}}), now=now)
-    watch.update(1, json.dumps({"seq": 1, "ranks": {}}), now=now)
+    watch.update(0, NodeReport(1, {}), now=now)
+    watch.update(1, NodeReport(1, {}), now=now)
     return watch
 
 
@@ -36,20 +36,20 @@ def test_lost_node_goes_to_a_free_standby_then_is_replaced(store):
     watch = _watch(now=0.0)
     _standby(store, 1, seq=1)
     pool.read(now=0.0)
-    watch.update(0, json.dumps({"seq": 2, "ranks": {}}), now=1.5)  # node 0 beats, node 1 does not
+    watch.update(0, NodeReport(2, {}), now=1.5)  # node 0 beats, node 1 does not
     _standby(store, 1, seq=2)
     pool.read(now=1.5)
     back = {"done": False}
     pool.tick(1.5, watch, RANKS, lambda node, at_loss: back["done"], step=7)
     assert store.get(keys.assign(1)) == b"1" and store.get(keys.node_owner(1)) == b"1"
     assert pool.free(now=1.5) == []  # taken
-    lost = [e for e in posted_events(store) if e["type"] == "node_lost"]
+    lost = [e for e in posted_events(store)[0] if e["type"] == "node_lost"]
     assert [(e["ranks"], e["step"]) for e in lost] == [([2, 3], 7)]
     pool.tick(1.55, watch, RANKS, lambda node, at_loss: back["done"], step=8)
-    assert "node_replaced" not in [e["type"] for e in posted_events(store)]  # ranks not back yet
+    assert "node_replaced" not in [e["type"] for e in posted_events(store)[0]]  # ranks not back yet
     back["done"] = True
     pool.tick(1.6, watch, RANKS, lambda node, at_loss: back["done"], step=9)
-    replaced = [e for e in posted_events(store) if e["type"] == "node_replaced"]
+    replaced = [e for e in posted_events(store)[0] if e["type"] == "node_replaced"]
     assert [e["ranks"] for e in replaced] == [[2, 3]] and replaced[0]["latency_ms"] > 0
     assert pool.lost == {} and not store.check([keys.replacement(1)])
 
@@ -61,7 +61,7 @@ def test_without_a_standby_the_node_waits_and_its_agent_may_come_back(store):
     pool.read(now=0.0)  # it beat once, long ago: not free
     pool.tick(2.0, watch, RANKS, lambda n, a: False, step=3)
     assert set(pool.lost) == {0, 1} and not store.check([keys.assign(1)])
-    watch.update(1, json.dumps({"seq": 2, "ranks": {}}), now=2.5)  # node 1's agent resumes
+    watch.update(1, NodeReport(2, {}), now=2.5)  # node 1's agent resumes
     pool.tick(2.6, watch, RANKS, lambda n, a: False, step=4)
     assert set(pool.lost) == {0}
 
@@ -72,7 +72,7 @@ def test_a_restarted_coordinator_finishes_a_replacement_in_flight(store):
     _standby(store, 1, seq=1)
     pool.read(now=0.0)
     pool.tick(0.5, NodeWatch(1.0), RANKS, lambda n, a: False, step=0)  # nothing known yet
-    watch.update(0, json.dumps({"seq": 2, "ranks": {}}), now=1.5)
+    watch.update(0, NodeReport(2, {}), now=1.5)
     _standby(store, 1, seq=2)
     pool.read(now=1.5)
     pool.tick(1.5, watch, RANKS, lambda n, a: False, step=1)
@@ -80,14 +80,15 @@ def test_a_restarted_coordinator_finishes_a_replacement_in_flight(store):
     again.restore({0, 1})
     assert again.lost[1]["standby"] == 1
     again.tick(1.6, watch, RANKS, lambda n, a: n == 1, step=2)
-    assert [e["type"] for e in posted_events(store)].count("node_replaced") == 1
+    assert [e["type"] for e in posted_events(store)[0]].count("node_replaced") == 1
 
 
 def test_a_replaced_node_is_at_full_strength_once_its_ranks_train(store):
-    from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
+    from megatron_mecefo.failover.authority.coordinator import Coordinator
+    from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
     c = Coordinator(store, 4, DetectorConfig(), log=lambda m: None)
-    c.tp, c.members, c.job_step = 1, (0, 1, 2), 20
+    c.tp, c.members, c.detector.job_step = 1, (0, 1, 2), 20
     for r, inc in ((2, 1), (3, 1)):
         c.ranks[r].incarnation, c.ranks[r].progress = inc, f"{inc}:-1:idle"
     at_loss = {2: 0, 3: 0}

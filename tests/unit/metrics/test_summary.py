@@ -124,9 +124,10 @@ def test_check_summary_reads_only_this_launchs_events(tmp_path):
 
 
 def test_node_losses_and_replacements_are_counted_with_time_to_full_strength(tmp_path):
-    """Spare nodes (failover/spares.py): `node_lost` and `node_replaced` events are counted, and
-    each replacement's `latency_ms` (failure -> every rank back) gives full_strength_ms and its
-    max and median; check_summary names a summary that disagrees with events.jsonl."""
+    """Spare nodes (failover/authority/spare_pool.py): `node_lost` and `node_replaced` events are
+    counted, and each replacement's `latency_ms` (failure -> every rank back) gives
+    full_strength_ms and its max and median; check_summary names a summary that disagrees with
+    events.jsonl."""
     _rows(tmp_path / "metrics.jsonl", range(10))
     events = [
         {"type": "node_lost", "ranks": [2, 3], "epoch_s": 1.0},
@@ -191,14 +192,14 @@ def test_posted_events_reads_the_store_not_the_file():
 
     import torch.distributed as dist
 
-    from megatron_mecefo.failover import keys
-    from megatron_mecefo.failover.session import posted_events
+    from megatron_mecefo.control import keys
+    from megatron_mecefo.control.records import post_event, posted_events
 
     store = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(5)
     )
-    keys.post_event(store, "failure", step=3, dp_rank=1)
-    keys.post_event(store, "step_redone", step=3, dp_rank=None)
+    post_event(store, "failure", step=3, dp_rank=1)
+    post_event(store, "step_redone", step=3, dp_rank=None)
     store.add(keys.EVENT_SEQ, 1)  # a poster that died between its two writes
     t0 = time.monotonic()
     events, seq = posted_events(store, wait_s=0.3)

@@ -11,11 +11,11 @@ from collections import Counter
 
 import pytest
 
-from megatron_mecefo.failover.chaos_checks import committed_tasks
 from megatron_mecefo.mecefo.config import MecefoConfig
 from megatron_mecefo.plan.cost import CostModel
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan
 from megatron_mecefo.plan.takeover import make_step_plans, plan_step_times
+from tools.chaos.checks import committed_tasks
 
 pytestmark = pytest.mark.timeout(60)
 

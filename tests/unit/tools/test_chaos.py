@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mecefo.failover import chaos_checks as checks
-from megatron_mecefo.failover.chaos import (
+from megatron_mecefo.metrics.summary import job_wide
+from tools.chaos import checks
+from tools.chaos.schedule import (
     KINDS,
     PASSING_TODAY,
     Fault,
@@ -163,10 +164,14 @@ def _good_run(tmp_path: Path, steps=6, replicas=2, micro=2) -> Path:
         {"type": "rejoin", "step": 3, "dp_rank": 1, "time_s": 2.0, "ranks": [1]},
     ]
     _write_jsonl(run / "events.jsonl", events)
-    summary = {
-        "stopped_at": None, "steps": steps, "final_loss": metrics[-1]["loss"],
-        "failover": {"failures": 1, "rejoins": 1, "samples_lost": 0},
-    }  # fmt: skip
+    summary = job_wide(  # as the leader writes it
+        {"stopped_at": None, "failover": {"regroups": 2}},
+        run / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=replicas * micro,
+        events=events,
+        events_seq=len(events),
+    )
     (run / "summary.json").write_text(json.dumps(summary))
     return run
 
@@ -176,7 +181,7 @@ def test_a_clean_run_passes_every_check(tmp_path):
     assert checks.check_metrics(run, 6) == []
     assert checks.check_audit(run, 6, 2, 2) == []
     assert checks.check_digests(run, 6, required={0, 1}) == []
-    assert checks.basic_summary_check(run) == []
+    assert checks.check_summary(run) == []
     assert checks.check_exits({0: 0, 1: 0}, {0: "finished"}) == []
     assert checks.check_abort_reason(run, {0: 0}) == []
 
@@ -266,15 +271,15 @@ def test_a_summary_that_disagrees_with_events_or_metrics_is_reported(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     bad = {**summary, "steps": 4, "failover": {**summary["failover"], "failures": 0}}
     (run / "summary.json").write_text(json.dumps(bad))
-    found = checks.basic_summary_check(run)
+    found = checks.check_summary(run)
     assert any("steps 4 but metrics.jsonl has 6" in v for v in found), found
     assert any("failover.failures = 0 but events.jsonl has 1" in v for v in found), found
     bad = {**summary, "final_loss": 1.0, "failover": {**summary["failover"], "samples_lost": 8}}
     (run / "summary.json").write_text(json.dumps(bad))
-    found = checks.basic_summary_check(run)
+    found = checks.check_summary(run)
     assert any("final_loss 1.0" in v for v in found) and any("samples_lost = 8" in v for v in found)
     (run / "summary.json").unlink()
-    assert "missing" in checks.check_summary(run)[0][0]
+    assert "missing" in checks.check_summary(run)[0]
 
 
 def test_exit_codes_outside_the_schedules_acceptable_set_are_reported(tmp_path):

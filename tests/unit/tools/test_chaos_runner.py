@@ -1,11 +1,10 @@
-"""`tools/chaos.py`'s runner on stand-in jobs (no trainer starts): a job that never progresses is
+"""`tools/chaos/run.py` on stand-in jobs (no trainer starts): a job that never progresses is
 killed at its bound and reported as a hang with nothing left behind; a job whose "agent" exits 0
 but leaves a tagged process behind is reported (and the process killed); a node loss takes every
 process under the node's agent. The agent is a small Python process with the job's tag."""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 import time
@@ -13,22 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mecefo.failover import chaos_checks as checks
-from megatron_mecefo.failover.chaos import Fault, Schedule
+from tools.chaos import checks
+from tools.chaos import run as chaos
+from tools.chaos.schedule import Fault, Schedule
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(120)
 
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("chaos_tool", ROOT / "tools/chaos.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["chaos_tool"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-chaos = _load_tool()
 
 # an "agent" that forks a child into its own session (as mecefo-launch does with its ranks),
 # then sleeps (never progresses) or exits at once (leaving the child behind)

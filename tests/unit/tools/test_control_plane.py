@@ -1,11 +1,12 @@
 """`tools/bench/control_plane.py`, its pure parts: the protocol's request counts, the node and
-generation formats it writes, the O(N) checks of `LinearCoordinator` against the originals, and
-`AggregatedCoordinator` (mode b) driven over an in-memory store: it forms generations, removes an
-exited rank's replica, and its requests per tick do not grow with the number of ranks (today's
-coordinator's do). No store server or process starts here."""
+generation records it writes (against what the product's coordinator writes and reads), its timed
+coordinator, and the product's `Coordinator` driven over an in-memory store with the bench's
+clients' records: it forms generations, removes an exited rank's replica, and its requests per
+tick do not grow with the number of ranks. No store server or process starts here."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -14,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mecefo.failover import keys
-from megatron_mecefo.failover.coordinator import Coordinator, DetectorConfig
-from megatron_mecefo.failover.liveness import NodeWatch, node_key
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.keys import node_key
+from megatron_mecefo.control.records import GenerationRecord, NodeReport, RankEntry
+from megatron_mecefo.failover.authority.coordinator import Coordinator
+from megatron_mecefo.failover.liveness.detector import DetectorConfig
+from megatron_mecefo.failover.liveness.evidence import NodeWatch
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(60)
@@ -125,37 +129,44 @@ def test_percentile_and_tick_summary():
 
 
 # ---------------------------------------------------------------------------------- formats
-def test_generation_record_is_what_the_coordinator_publishes():
-    store = MemStore()
-    coord = Coordinator(store, 64, DetectorConfig(), log=lambda m: None)
-    coord.tp = 8
-    for st in coord.ranks.values():
-        st.incarnation = 0  # registered
-    coord._publish(tuple(range(8)), removed=(), added=(), reason="start")
-    published = json.loads(store.get(keys.gen_record(1)))
-    ours = json.loads(cp.generation_record(cp.Layout(64, 8)))
-    assert ours.keys() == published.keys()
-    assert ours["members"] == published["members"]
-    assert ours["incarnations"] == {str(k): v for k, v in published["incarnations"].items()}
-    raw = cp.generation_record(cp.Layout(16384, 8))
-    assert 150_000 < len(raw) < 250_000  # what each of 16k trainers reads at a new generation
-    assert cp.removed_replicas(raw) == []
-    assert cp.removed_replicas(json.dumps({"members": [0, 2], "removed": [1, 3]})) == [1, 3]
+def test_generation_record_is_what_the_coordinator_publishes(tmp_path):
+    _, store, coord = _mode_b(tmp_path, 64)
+    coord.tick()  # every rank registered: the first generation
+    raw = store.get(keys.gen_record(1)).decode()
+    published = GenerationRecord.from_json(raw)
+    ours = cp.generation_record(cp.Layout(64, 8))
+    assert list(json.loads(ours)) == list(json.loads(raw))  # the same fields, in the same order
+    assert dataclasses.replace(
+        GenerationRecord.from_json(ours), epoch_s=0.0
+    ) == dataclasses.replace(published, epoch_s=0.0)
+    big = cp.generation_record(cp.Layout(16384, 8))
+    assert 150_000 < len(big) < 250_000  # what each of 16k trainers reads at a new generation
+
+
+def test_removed_replicas_reads_what_the_record_type_writes():
+    records = [cp.generation_record(cp.Layout(16384, 8))]
+    for removed in ([1], [1, 3], list(range(0, 2048, 7))):
+        members = [r for r in range(2048) if r not in removed]
+        incarnations = {str(r): 1 for r in range(64)}
+        rec = GenerationRecord(members, removed, [5], "failure", 8, 1.5, 1.0, 9, incarnations)
+        records.append(rec.to_json())
+    for raw in records:
+        assert cp.removed_replicas(raw) == GenerationRecord.from_json(raw).removed
 
 
 def test_node_reports_in_both_formats():
     inc = {8: 2}
     a = cp.report_template("a", [8, 9], inc) % {"seq": "2:5", "hb": 7, "progress": "3:compute"}
     watch = NodeWatch(5.0)
-    watch.update(1, a, now=10.0)  # the liveness format the real coordinator reads
+    watch.update(1, NodeReport.from_json(a), now=10.0)  # the format the coordinator reads
     assert watch.node_of == {8: 1, 9: 1}
-    assert json.loads(a)["ranks"]["8"][0] == 2
-    b = json.loads(
-        cp.report_template("b", [8, 9], inc) % {"seq": "2:5", "hb": 7, "progress": "3:reduce"}
-    )
-    assert b["seq"] == "2:5"
-    assert b["ranks"]["8"][4:] == [7, "2:3:reduce"]
-    assert b["ranks"]["9"][4:] == [7, "0:3:reduce"]
+    entries = {8: cp.rank_entry(8, 2), 9: cp.rank_entry(9, 0)}
+    assert a == NodeReport("2:5", entries).to_json()
+    b = cp.report_template("b", [8, 9], inc) % {"seq": "2:5", "hb": 7, "progress": "3:reduce"}
+    entries[8].beats, entries[8].progress = 7, "2:3:reduce"
+    entries[9].beats, entries[9].progress = 7, "0:3:reduce"
+    assert b == NodeReport("2:5", entries).to_json()
+    assert NodeReport.from_json(b).ranks[8] == RankEntry(2, 100008, "S", 1, 7, "2:3:reduce")
     assert cp.progress_now(100.0, 2.0, 105.0) == "2:compute"
     assert cp.progress_now(100.0, 2.0, 105.6) == "2:reduce"
 
@@ -192,8 +203,10 @@ def test_aggregated_coordinator_forms_generations_and_removes_an_exited_rank(tmp
     store.add(keys.DEAD_SEQ, 1)
     coord.tick()
     assert coord.gen == 2 and 1 not in coord.members
-    record = json.loads(store.get(keys.gen_record(2)))
-    assert record["removed"] == [1] and record["reason"] == "failure"
+    raw = store.get(keys.gen_record(2)).decode()
+    record = GenerationRecord.from_json(raw)
+    assert record.removed == [1] and record.reason == "failure"
+    assert cp.removed_replicas(raw) == [1]  # what the bench's clients read of it
     # rank 10 comes back with incarnation 1 (registration log, then the counter)
     reg = json.loads(store.get(keys.registration(10)))
     store.set(keys.registration(10), json.dumps({**reg, "incarnation": 1}))
@@ -209,6 +222,25 @@ def test_aggregated_coordinator_forms_generations_and_removes_an_exited_rank(tmp
     for _ in range(2):
         coord.tick()
     assert coord.gen == 3 and 1 in coord.members
+
+
+def test_timed_coordinator_times_each_tick_of_its_own_loop(tmp_path):
+    layout = cp.Layout(64, 8)
+    store = cp.CountingStore(MemStore())
+    cp._populate(store, "b", layout, str(tmp_path), 8)
+    after = []
+    coord = cp.TimedCoordinator(
+        store, 64, DetectorConfig(poll_s=0.001), log=lambda m: None, on_tick=lambda: after.append(1)
+    )
+    coord.restore()
+    assert coord.run(lambda: coord.ticks >= 5) == "stopped"
+    assert coord.gen == 1 and len(coord.timings) == 5 == len(after)
+    # heartbeats are read before the first generation, then every other tick
+    assert [t[2] for t in coord.timings] == [True, True, False, True, False]
+    requests = [t[3] for t in coord.timings]
+    assert requests[1] > requests[2] and requests[3] > requests[4]  # the reads are real
+    starts = [t[0] for t in coord.timings]
+    assert starts == sorted(starts) and all(t[1] >= 0 and t[5] >= 0 for t in coord.timings)
 
 
 def _hb_tick_requests(coord, store) -> int:

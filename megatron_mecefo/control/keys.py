@@ -1,0 +1,246 @@
+"""The coordinator store's key schema and client connection (one place, so writers and readers
+agree). The store is torch's C++ `TCPStore`, served by `mecefo-coordinator`
+(`failover/authority/store_host.py`). The JSON records under some keys are `records.py`'s.
+
+Ranks are global ranks; replicas are logical DP indices (global rank // TP), stable for the whole
+job. A rank's *incarnation* counts its restarts (0 for the first process).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+COORDINATOR_ENV = "MECEFO_COORDINATOR"
+"""host:port of the coordinator store; its presence switches failover on in a trainer."""
+INCARNATION_ENV = "MECEFO_INCARNATION"
+"""Restart count of this rank, set by the per-node agent."""
+
+GEN = "gen"
+"""Latest published membership generation (int as text)."""
+ABORT = "abort"
+"""Set by the coordinator when the job cannot continue; value = reason."""
+DONE = "done"
+"""Set by the leader when the last step committed; agents stop restarting ranks."""
+STOP = "job/stop"
+"""Set (value = reason) when a stop was requested (SIGUSR1): members stop at an agreed step after a
+final checkpoint and exit PREEMPTED."""
+RECOVERY = "recovery"
+"""JSON {"mode": failover|restart, "recoverable": bool, "wait_all_s": float}, set by trainers:
+whether losing every replica can be survived (snapshots or checkpoints exist) and how."""
+RUN_DIR = "run_dir"
+"""Absolute run directory, published by the first leader; the coordinator writes events there."""
+JOB_STEP = "job/step"
+"""Highest step a member has reached (published by the coordinator from progress markers)."""
+REG_SEQ = "reg/seq"
+"""Bumped after every registration (the coordinator re-reads registrations when it moves)."""
+DEAD_SEQ = "dead/seq"
+"""Bumped after every death report."""
+AGENTS_ACTIVE = "agents/active"
+"""Per-node agents running; the coordinator exits when it falls back to 0."""
+EVENT_SEQ = "ev/seq"
+"""Counter of posted events; event i is under `ev/<i>` (1-based)."""
+COORD_EPOCH = "coord/epoch"
+"""Bumped by each coordinator instance at start; an instance that sees a newer one stops."""
+COORD_STARTED = "coord/started"
+"""Epoch time the first coordinator started (start timeout across coordinator restarts)."""
+JOB_START_STEP = "job/start_step"
+"""The step this launch of the job started from (set with the run directory)."""
+JOB_EVENTS_START = "job/events_start"
+"""Bytes events.jsonl held when this launch began: its events start there (a resumed run appends
+to the file). Set by the first leader before RUN_DIR."""
+IDENTITY = "mecefo/identity"
+"""The state identity the first trainer of a launch proposed (`checkpoint/resume.py`)."""
+DATA_READY = "data/ready"
+"""Set by the first data builder once the data and its index cache are on disk."""
+NODE_RANK_ENV = "MECEFO_NODE_RANK"
+"""The node (agent) a trainer runs on, set by the agent; in the registration as `node`."""
+
+
+FLAGS = "job/flags"
+"""Names of the job-wide flags set so far (ABORT, STOP, DONE), each followed by ";": an agent
+learns all three, with GEN and its node's owner, in one multi_get (`raise_flag`, `control_keys`)."""
+REG_LOG = "reg/log"
+"""Ranks that registered, appended as "<rank>," before REG_SEQ moves: the coordinator reads only
+the entries it has not seen (no request per rank)."""
+DEAD_LOG = "dead/log"
+"""Ranks reported dead, appended as "<rank>," before DEAD_SEQ moves."""
+EVICT_SEQ = "evict/seq"
+"""Bumped after every eviction key the coordinator sets: an agent reads its ranks' eviction keys
+only when it moved (it reads this with GEN and FLAGS in its one multi_get)."""
+STANDBY_LOG = "standby/log"
+"""Ids of the agents that stood by at some time, appended as "<id>,"; their beats are under
+`standby(id)`."""
+
+AGENT_IDS = "agents/ids"
+"""Counter handing each node agent a job-unique id (1-based) when it starts."""
+
+
+def node_owner(node: int) -> str:
+    """Id of the agent that runs `node` now (a standby's once it replaced the node)."""
+    return f"node_owner/{node}"
+
+
+def standby(agent_id: int) -> str:
+    """JSON {"seq": ..} bumped by a standby agent (no ranks) every tick: it is alive and free."""
+    return f"standby/{agent_id}"
+
+
+def assign(agent_id: int) -> str:
+    """The node (int as text) the coordinator gives to standby agent `agent_id`."""
+    return f"assign/{agent_id}"
+
+
+def replacement(node: int) -> str:
+    """JSON {"standby", "failure_epoch_s"}: a lost node being replaced (coordinator restarts)."""
+    return f"replace/{node}"
+
+
+def node_key(node: int) -> str:
+    """`records.NodeReport` of one node, written by its agent every tick."""
+    return f"node/{node}"
+
+
+def redone(gen: int, step: int, attempt: int) -> str:
+    """Counter: the first member to bump it posts the attempt's one `step_redone` event."""
+    return f"redone/{gen}/{step}/{attempt}"
+
+
+def inject_claim(rank: int, step: int) -> str:
+    """The incarnation of `rank` that fired its injection of `step` (each fires once per job)."""
+    return f"inject_claim/{rank}/{step}"
+
+
+def gen_record(gen: int) -> str:
+    """`records.GenerationRecord`: replicas of generation `gen`."""
+    return f"gen/{gen}"
+
+
+def registration(rank: int) -> str:
+    """`records.Registration`: written by a trainer at start."""
+    return f"reg/{rank}"
+
+
+def heartbeat(rank: int) -> str:
+    """Counter bumped by the rank's heartbeat thread."""
+    return f"hb/{rank}"
+
+
+def progress(rank: int) -> str:
+    """`<incarnation>:<step>:<phase>` (phase: compute | reduce | idle)."""
+    return f"progress/{rank}"
+
+
+def dead(rank: int) -> str:
+    """Incarnation of `rank` reported dead (by its agent or itself), as `<inc>:<epoch time>`."""
+    return f"dead/{rank}"
+
+
+def evict(rank: int) -> str:
+    """Incarnation the coordinator wants killed (hung or fenced); the agent SIGKILLs it."""
+    return f"evict/{rank}"
+
+
+def downtime(rank: int, incarnation: int) -> str:
+    """Step at which an injected failure of this incarnation may come back (agent waits)."""
+    return f"downtime/{rank}/{incarnation}"
+
+
+def injected(rank: int, incarnation: int) -> str:
+    """`<kind>:<epoch>` written by an injection just before it fires (true failure time)."""
+    return f"injected/{rank}/{incarnation}"
+
+
+def vote(gen: int, step: int, attempt: int) -> str:
+    """Counter of members whose reduction of (gen, step, attempt) succeeded."""
+    return f"vote/{gen}/{step}/{attempt}"
+
+
+def decision(gen: int, step: int, attempt: int) -> str:
+    """`commit:<next gen>` or `abort:<next gen>`, set once with compare_set."""
+    return f"decision/{gen}/{step}/{attempt}"
+
+
+def event(index: int) -> str:
+    return f"ev/{index}"
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator address must be HOST:PORT, got {address!r}")
+    return host, int(port)
+
+
+def connect(address: str, timeout_s: float):
+    """A new TCPStore client of the coordinator (one per thread: clients are not shared)."""
+    import torch.distributed as dist
+
+    host, port = parse_address(address)
+    return dist.TCPStore(
+        host,
+        port,
+        is_master=False,
+        wait_for_workers=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        use_libuv=True,
+    )
+
+
+def report_dead(store, rank: int, incarnation: int, epoch_s: float | None = None) -> None:
+    """Tell the coordinator this incarnation of `rank` is gone (agent: child exited)."""
+    store.set(dead(rank), f"{incarnation}:{time.time() if epoch_s is None else epoch_s}")
+    store.append(DEAD_LOG, f"{rank},")  # before the counter: the coordinator reads seq, then log
+    store.add(DEAD_SEQ, 1)
+
+
+def register(store, rank: int, registration_json: str) -> None:
+    """Publish one rank's registration (see REG_LOG for the order)."""
+    store.set(registration(rank), registration_json)
+    store.append(REG_LOG, f"{rank},")
+    store.add(REG_SEQ, 1)
+
+
+def set_eviction(store, rank: int, incarnation: int) -> None:
+    """Tell `rank`'s agent to SIGKILL that incarnation (see EVICT_SEQ for the order)."""
+    store.set(evict(rank), str(incarnation))
+    store.add(EVICT_SEQ, 1)
+
+
+def raise_flag(store, key: str, value: str) -> None:
+    """Set one of the job-wide flags ABORT, STOP or DONE, and list it in FLAGS."""
+    store.set(key, value)
+    store.append(FLAGS, f"{key};")
+
+
+def flag_raised(flags: bytes | str, key: str) -> bool:
+    """Whether FLAGS' value lists `key`."""
+    text = flags.decode() if isinstance(flags, bytes) else flags
+    return f"{key};" in text
+
+
+def control_keys(store) -> None:
+    """Create GEN, FLAGS and EVICT_SEQ if absent, so that they can be read in one multi_get
+    (which waits for keys that do not exist). Idempotent; any process may call it."""
+    store.compare_set(GEN, "", "0")
+    store.compare_set(FLAGS, "", "")
+    store.compare_set(EVICT_SEQ, "", "0")
+
+
+def new_log_entries(store, log_key: str, seen_chars: int) -> tuple[list[int], int]:
+    """The ranks appended to `log_key` after its first `seen_chars` characters, and its length."""
+    if not store.check([log_key]):
+        return [], seen_chars
+    text = store.get(log_key).decode()
+    return sorted({int(x) for x in text[seen_chars:].split(",") if x}), len(text)
+
+
+def get_int(store, key: str, default: int = 0) -> int:
+    if not store.check([key]):
+        return default
+    return int(store.get(key).decode())
+
+
+def this_host() -> str:
+    return os.uname().nodename

@@ -1,0 +1,71 @@
+"""Process lifetimes: no process of a job outlives the one that started it, and a dying job's
+processes say why in one line, not in pages of C++ stack frames.
+
+Linux only (`prctl(PR_SET_PDEATHSIG)`); elsewhere `die_with_parent` is a no-op. No torch import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import MutableMapping
+
+_PR_SET_PDEATHSIG = 1
+
+CPP_LOG_LEVEL = ("TORCH_CPP_LOG_LEVEL", "FATAL")
+"""torch's C++ log level for a launcher and everything it starts (a value already set wins).
+Once the store is gone, torch's C++ logging prints a warning with ~20 C++ stack frames on every
+store call and every reconnect attempt of every process; the Python error that follows is what
+each process reports, in one line. `TORCH_CPP_LOG_LEVEL=WARNING` brings those logs back."""
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send `sig` to this process when its parent dies. Use as a Popen
+    `preexec_fn` (it runs in the child) or call it in a forked child.
+
+    The kernel ties this to the parent *thread* that forked the child: fork from a thread that
+    lives as long as the parent process (the main thread)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def quiet_cpp_logs(environ: MutableMapping[str, str]) -> None:
+    """Set `CPP_LOG_LEVEL` in `environ` (os.environ: this process and its children) unless it
+    is set. torch reads it when it loads: call it before the first `import torch`."""
+    environ.setdefault(*CPP_LOG_LEVEL)
+
+
+def proc_state(pid: int) -> tuple[str, int] | None:
+    """(scheduler state letter, utime + stime in clock ticks) of `pid`, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            raw = fh.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2 :].split()  # the command name may hold spaces or parens
+    if len(fields) < 13:
+        return None
+    return fields[0], int(fields[11]) + int(fields[12])
+
+
+def signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    """Signal the process group a rank leads (it and whatever it forked: a SIGKILLed trainer's
+    checkpoint-writer children would otherwise live on, holding its pipes)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def ignore_stop_signal() -> None:
+    """Children start with SIGUSR1 ignored (a stop request to the whole Slurm step must not kill
+    a process before it installs its own handler; trainers install one, the rest ignore it), and
+    die with the agent: a SIGKILLed agent leaves no trainer, spare or snapshot process behind
+    (each in its own session, so no signal to the agent's group reaches them)."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    die_with_parent()

@@ -1,0 +1,205 @@
+"""`mecefo-launch`: the per-node agent that replaces torchrun's elastic agent under failover.
+
+    mecefo-launch --nproc-per-node 4 [--nnodes N --node-rank I --coordinator HOST:PORT] \\
+        -- --config configs/run/demo_cpu.yaml [trainer args]
+
+On the head node (node rank 0, no `--coordinator`) it first starts `mecefo-coordinator` in its own
+session, on a free port. Then it runs this node's `Agent` (`agent.py`). Exit codes:
+`launch/README.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_mecefo.control.proc import ignore_stop_signal, quiet_cpp_logs
+from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.failover.node.agent import Agent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="mecefo-launch",
+        description="Start this node's trainer ranks under failover (and the coordinator on the "
+        "head node); restart dead ranks so they rejoin.",
+    )
+    p.add_argument("--nproc-per-node", type=int, default=int(env("NPROC", 1)))
+    p.add_argument("--nnodes", type=int, default=int(env("MECEFO_NNODES", 1)))
+    p.add_argument("--node-rank", type=int, default=int(env("MECEFO_NODE_RANK", 0)))
+    p.add_argument(
+        "--coordinator",
+        default=env("MECEFO_COORDINATOR_ADDR"),
+        help="HOST:PORT of a running coordinator; default on node 0: start one",
+    )
+    p.add_argument(
+        "--coordinator-port",
+        type=int,
+        default=int(env("MECEFO_COORDINATOR_PORT", 0)),
+        help="port for the coordinator this agent starts (0: a free one)",
+    )
+    p.add_argument(
+        "--restart-delay-s",
+        type=float,
+        default=float(env("MECEFO_RESTART_DELAY_S", 1.0)),
+        help="seconds before a dead rank is restarted",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=int(env("MECEFO_MAX_RESTARTS", 20)),
+        help="restarts per rank before the agent gives up on it",
+    )
+    p.add_argument(
+        "--warm-spares",
+        type=int,
+        default=int(env("MECEFO_WARM_SPARES", 1)),
+        help="pre-imported spare processes kept per node to replace dead ranks quickly (0: off)",
+    )
+    p.add_argument(
+        "--coordinator-arg",
+        action="append",
+        default=[],
+        help="extra flag for mecefo-coordinator (repeatable), e.g. --coordinator-arg=--grace-s=0.5",
+    )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        default=env("MECEFO_STANDBY", "") == "1",
+        help="a spare node: run no rank, keep warm processes, and take over the ranks of a lost "
+        "node when the coordinator assigns one ($MECEFO_STANDBY=1)",
+    )
+    p.add_argument("trainer_args", nargs=argparse.REMAINDER, help="-- then mecefo-train arguments")
+    args = p.parse_args(argv)
+    if args.trainer_args and args.trainer_args[0] == "--":
+        args.trainer_args = args.trainer_args[1:]
+    if args.nproc_per_node < 1 or args.nnodes < 1 or args.node_rank < 0:
+        p.error("need --nproc-per-node >= 1, --nnodes >= 1 and --node-rank >= 0")
+    if args.node_rank >= args.nnodes and not args.standby:
+        p.error(
+            f"--node-rank {args.node_rank} is not one of the {args.nnodes} nodes; "
+            "pass --standby for a spare node"
+        )
+    if (args.node_rank > 0 or args.standby) and not args.coordinator:
+        p.error(
+            "nodes other than 0 and standbys need --coordinator HOST:PORT "
+            "(or MECEFO_COORDINATOR_ADDR)"
+        )
+    return args
+
+
+def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
+    """The job's store and coordinator (`store_host.py`) in their own session (a signal to the
+    agent's group does not reach them)."""
+    tmp = Path(tempfile.mkdtemp(prefix="mecefo-coord-"))
+    try:
+        return _start_coordinator(world, port, extra, tmp / "port")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _start_coordinator(
+    world: int, port: int, extra: list[str], port_file: Path
+) -> tuple[subprocess.Popen, int]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_mecefo.failover.authority.store_host",
+        "--world-size",
+        str(world),
+        "--port",
+        str(port),
+        "--port-file",
+        str(port_file),
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=ignore_stop_signal)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"error: mecefo-coordinator did not start (exit {proc.poll()})")
+        time.sleep(0.05)
+    return proc, int(port_file.read_text())
+
+
+def stop_coordinator(proc: subprocess.Popen) -> None:
+    """It exits by itself once every agent has left; an agent that was SIGKILLed never says so,
+    so after a short wait it is told to stop (it drains its events first), then killed."""
+    for wait_s, then in ((3.0, proc.terminate), (20.0, proc.kill), (None, None)):
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            then()
+
+
+def check_injections(args: argparse.Namespace) -> str | None:
+    """A bad --inject/--failures for this job's size, as one line (None: fine, or a config error
+    the trainers report themselves)."""
+    from megatron_mecefo.config.cli import load_run_config
+    from megatron_mecefo.config.cli import parse_args as trainer_parse_args
+    from megatron_mecefo.errors import ConfigError
+    from megatron_mecefo.testing import inject
+
+    try:
+        targs = trainer_parse_args(list(args.trainer_args))
+        cfg = load_run_config(targs)
+        inject.specs_of(targs.inject, targs.failures, cfg, args.nnodes * args.nproc_per_node)
+    except ConfigError as exc:
+        return str(exc)
+    except (SystemExit, Exception):  # noqa: BLE001 - reported by the trainers
+        return None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    quiet_cpp_logs(os.environ)  # before torch loads, here and in every process started from here
+    args = parse_args(argv)
+    bad = check_injections(args)
+    if bad is not None:
+        print(f"error: {bad}", file=sys.stderr, flush=True)
+        return int(ExitCode.CONFIG_ERROR)
+    coordinator = None
+    address = args.coordinator
+    if address is None:
+        world = args.nnodes * args.nproc_per_node
+        coordinator, port = start_coordinator(world, args.coordinator_port, args.coordinator_arg)
+        address = f"127.0.0.1:{port}"
+    agent = Agent(args, address)
+
+    grace_s = float(os.environ.get("MECEFO_TERM_GRACE_S") or 0)
+
+    def _terminate(signum, frame):
+        if grace_s > 0:  # stop with a checkpoint; hard stop at the deadline. Slurm sends SIGTERM
+            if agent.term_deadline is None:  # twice (the step, and srun forwarding): once counts
+                agent.term_deadline = time.monotonic() + grace_s
+                agent.request_stop("SIGTERM")
+            return
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: agent.request_stop("SIGUSR1"))
+    try:
+        code = agent.run()
+    finally:
+        if coordinator is not None:
+            stop_coordinator(coordinator)
+    if code == ExitCode.OK and agent.snapshot_dir is not None:
+        shutil.rmtree(agent.snapshot_dir, ignore_errors=True)  # the job is done: free the memory
+        with contextlib.suppress(OSError):  # the run's folder, once the last node's is gone
+            agent.snapshot_dir.parent.rmdir()
+    agent.log(f"done (exit {code})")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

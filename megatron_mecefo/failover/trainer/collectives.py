@@ -1,0 +1,122 @@
+"""Collectives that give up when the membership moves on.
+
+A collective on a generation's group that errors, or that is still running when the coordinator
+publishes a generation without one of its members, is abandoned and its reason recorded; the step
+then fails the commit vote instead of hanging. Collectives run on staging copies, so an abandoned
+one never writes into live buffers later.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_WAIT_SLICE = timedelta(milliseconds=20)
+
+Lost = Callable[[], "str | None"]
+"""() -> why the membership was lost (a newer generation dropped a member), or None."""
+
+
+class _ThreadWork:
+    """`is_completed`/`wait` over a helper thread that waits on real work."""
+
+    def __init__(self, done: threading.Event, errors: list[BaseException]):
+        self._done, self._errors = done, errors
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        if self._errors:
+            raise self._errors[0]
+
+
+def wait_work(work, what: str, *, backend: str, lost: Lost, p2p: bool = False) -> str | None:
+    """Poll an async collective; the reason it failed or was abandoned, or None if done.
+
+    Gloo's send/recv work never reports `is_completed()`; with `p2p` a helper thread waits on it
+    and we poll the thread instead.
+    """
+    if p2p:
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def waiter() -> None:
+            try:
+                work.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                errors.append(exc)
+            done.set()
+
+        threading.Thread(target=waiter, name="mecefo-p2p-wait", daemon=True).start()
+        work = _ThreadWork(done, errors)
+    if backend == "gloo" and not p2p:
+        return _wait_gloo(work, what, lost)
+    delay, last_check = 0.0, time.monotonic()
+    while not work.is_completed():
+        time.sleep(delay)
+        delay = min(2 * delay or 5e-5, 1e-3)
+        now = time.monotonic()
+        if now - last_check > 0.02:
+            last_check = now
+            why = lost()
+            if why is not None:
+                return f"{what} abandoned: {why}"
+    try:
+        work.wait()
+    except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
+        return f"{what} failed: {str(exc).splitlines()[0]}"
+    return None
+
+
+def _wait_gloo(work, what: str, lost: Lost) -> str | None:
+    """Gloo work honours `wait(timeout)` without breaking the collective: block in slices (woken
+    the moment it completes), checking the membership between slices."""
+    while True:
+        try:
+            work.wait(_WAIT_SLICE)
+            return None
+        except RuntimeError:
+            if work.is_completed():  # finished meanwhile, or failed: ask it which
+                try:
+                    work.wait()
+                    return None
+                except RuntimeError as exc:
+                    return f"{what} failed: {str(exc).splitlines()[0]}"
+        why = lost()
+        if why is not None:
+            return f"{what} abandoned: {why}"
+
+
+class AbortableCollectives:
+    """The live membership's collectives (`training.membership.Collectives`)."""
+
+    def __init__(self, backend: str, lost: Lost, on_reduce: Callable[[], None]):
+        self.backend = backend
+        self.lost = lost
+        self.on_reduce = on_reduce
+        self.failed: str | None = None
+
+    def reset(self) -> None:
+        self.failed = None
+
+    def all_reduce(self, tensor: torch.Tensor, group) -> bool:
+        # issued even after a failure in this step: every member must run the same sequence of
+        # collectives on the group, or a later one would pair with a different one elsewhere
+        self.on_reduce()
+        stage = tensor.clone()  # an abandoned collective may still write into its buffer later
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        error = wait_work(
+            group.allreduce([stage], opts), "all-reduce", backend=self.backend, lost=self.lost
+        )
+        if error is not None:
+            self.failed = self.failed or error
+            return False
+        tensor.copy_(stage)
+        return True

@@ -1,0 +1,122 @@
+"""The commit vote: every member applies the same verdict, and an update is applied only if the
+whole membership reduced.
+
+Per step attempt (g, step, a): members whose reduction succeeded vote; the one that completes the
+vote sets `decision/g/step/a = commit:<next gen>` with compare-and-set; a member that failed (or
+sees g lose a member) sets `abort:<next gen>` instead. The first write wins. TP = 1 votes with one
+tiny all-reduce of the members' success flags (every member issues it, so the collective sequence
+never diverges); TP > 1 with a store counter over every rank of every member (a TP slice's
+all-reduce cannot vouch for the other slices). A requested stop rides on the decision
+(`commit:<gen>:stop`), so every member stops after the same step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_mecefo.control import keys
+from megatron_mecefo.errors import QuorumTimeoutError
+from megatron_mecefo.failover.trainer.plane import ControlPlane
+from megatron_mecefo.training.membership import Membership
+from megatron_mecefo.training.stop import StopFlag
+
+
+class CommitVote:
+    """One trainer's side of the vote (see the module docstring)."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        membership: Membership,
+        *,
+        rank: int,
+        tp: int,
+        stop_flag: StopFlag,
+        failure_wait_s: float,
+        regroup_timeout_s: float,
+        log=print,
+    ):
+        self.plane = plane
+        self.membership = membership
+        self.rank, self.tp = rank, tp
+        self.stop_flag = stop_flag
+        self.failure_wait_s = failure_wait_s
+        self.regroup_timeout_s = regroup_timeout_s
+        self.log = log
+        self.attempt = 0
+        """Attempts of this step not committed so far, in the current generation."""
+        self._attempt_gen = 0
+        self.pending: tuple[int, str] | None = None
+        """(generation, group key) to form before the next attempt, as the decision said."""
+        self.stop_after: int | None = None
+        """The step after which every member stops (a stop was requested)."""
+        self.times_s: list[float] = []
+        """Wall time of each vote (including the wait for the decision)."""
+
+    def vote(self, step: int, ok: bool) -> bool:
+        """Same verdict on every member: commit iff every member's reduction succeeded."""
+        t0 = time.perf_counter()
+        m = self.membership
+        if m.generation != self._attempt_gen:  # vote keys are per (generation, step, attempt)
+            self._attempt_gen, self.attempt = m.generation, 0
+        g, a = m.generation, self.attempt
+        dkey = keys.decision(g, step, a)
+        latest = max(g, self.plane.latest_gen)
+        verdict = None
+        # the writer of the decision also decides a requested stop, so every member agrees on it
+        commit = f"commit:{latest}:stop" if self.stop_flag.is_set else f"commit:{latest}"
+        store = self.plane.store
+        if self.tp == 1:
+            votes = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
+            if m.all_reduce(votes) and ok and int(votes.item()) == m.size:
+                verdict = store.compare_set(dkey, "", commit).decode()
+        elif ok:
+            count = store.add(keys.vote(g, step, a), 1)
+            if count == m.size * self.tp:
+                verdict = store.compare_set(dkey, "", commit).decode()
+            else:
+                verdict = self._await_decision(dkey, g, failed=False)
+        if verdict is None:
+            verdict = self._await_decision(dkey, g, failed=True)
+        self.times_s.append(time.perf_counter() - t0)
+        kind, next_gen, *flags = verdict.split(":")
+        committed, next_gen = kind == "commit", int(next_gen)
+        if committed:
+            self.attempt = 0
+            if "stop" in flags:
+                self.stop_after = step
+        else:
+            self.attempt += 1
+            why = m.failed or "another member's reduction failed"
+            self.log(f"[failover] rank {self.rank}: step {step} not committed ({why}); redoing")
+        if next_gen != g:
+            self.pending = (next_gen, f"pg/{next_gen}")
+        elif not committed:  # same members, but the group saw an error: rebuild it
+            self.pending = (g, f"pg/{g}/s{step}a{a}")
+        return committed
+
+    def _await_decision(self, dkey: str, g: int, *, failed: bool) -> str:
+        store = self.plane.store
+        start = time.monotonic()
+        delay, last_gen_check = 0.0, 0.0
+        while True:
+            if store.check([dkey]):
+                return store.get(dkey).decode()
+            now = time.monotonic()
+            if now - last_gen_check > 0.02:
+                last_gen_check = now
+                latest = keys.get_int(store, keys.GEN)
+                if latest > g:
+                    gone = set(self.membership.members) - set(self.plane.record(latest).members)
+                    if gone:
+                        return store.compare_set(dkey, "", f"abort:{latest}").decode()
+                if failed and now - start > self.failure_wait_s:
+                    return store.compare_set(dkey, "", f"abort:{max(g, latest)}").decode()
+            if now - start > self.regroup_timeout_s:
+                raise QuorumTimeoutError(
+                    f"no commit decision for generation {g} within {self.regroup_timeout_s} s"
+                )
+            time.sleep(delay)
+            delay = min(2 * delay or 1e-4, 2e-3)

@@ -1,0 +1,424 @@
+"""The trainer side of failover: one `FailoverManager` per trainer process under `mecefo-launch`.
+
+It is the session's `RunControl`: it registers and heartbeats, prepares the data without a
+special rank, joins the first generation that admits this replica, and per step
+
+    plan = begin_step(step)        form a pending generation (regroup.py), the takeover plan
+    result = engine.train_step()   reduce over the LiveMembership, commit by vote (commit.py)
+    end_step(result)               a step not committed is redone; a committed one is audited
+
+The protocol, per step attempt (g, step, a):
+1. every member reduces gradients on generation g's group; a collective that errors, or that is
+   still running when the coordinator publishes a generation without one of g's members, is
+   abandoned and recorded (`collectives.py`);
+2. the commit vote: an update is applied only if the whole membership reduced (`commit.py`);
+3. at the next step start, members adopt the decision's generation if it differs (build its group
+   directly on a PrefixStore, then sync state: joiners receive model, optimizer, RNG and step from
+   a live peer, `transfer.py`); an aborted step is redone with the new plan. No micro-batch is
+   lost or counted twice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_mecefo.control import keys, local_beat
+from megatron_mecefo.control.records import Registration, post_event, posted_events
+from megatron_mecefo.data.build_lock import shared_preparation
+from megatron_mecefo.errors import DistributedSetupError, QuorumTimeoutError
+from megatron_mecefo.failover.liveness.heartbeat import Heartbeat
+from megatron_mecefo.failover.trainer import groups
+from megatron_mecefo.failover.trainer.collectives import AbortableCollectives
+from megatron_mecefo.failover.trainer.commit import CommitVote
+from megatron_mecefo.failover.trainer.membership import LiveMembership
+from megatron_mecefo.failover.trainer.plane import ControlPlane, JobDone
+from megatron_mecefo.failover.trainer.regroup import Regroup
+from megatron_mecefo.failover.trainer.transfer import StateSync
+from megatron_mecefo.plan.from_config import plans_for_members
+from megatron_mecefo.plan.step_plan import RankStepPlan
+from megatron_mecefo.training import state as train_state
+from megatron_mecefo.training.session import RunControl
+from megatron_mecefo.training.stop import StopFlag
+
+
+class FailoverManager(RunControl):
+    """Trainer-side failover for one process (see the module docstring for the protocol)."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        address: str,
+        rank: int,
+        world_size: int,
+        tp_size: int,
+        incarnation: int,
+        backend: str,
+        before_transfer=None,
+        log=print,
+    ):
+        if world_size % tp_size:
+            raise DistributedSetupError(
+                f"world size {world_size} is not divisible by TP = {tp_size}; "
+                f"launch a multiple of {tp_size} ranks"
+            )
+        self.cfg = cfg
+        self.fcfg = fcfg = cfg.failover
+        self.rank, self.world, self.tp = rank, world_size, tp_size
+        self.replica, self.tp_rank = divmod(rank, tp_size)
+        self.incarnation = incarnation
+        self.backend = backend
+        self.log = log
+        self.first = rank == 0 and incarnation == 0
+        self.fresh = incarnation == 0
+        # a restarted rank continues the current line, never a rollback the command line asked for
+        self.resume = cfg.checkpoint.resume if incarnation == 0 else "auto"
+        self.plane = ControlPlane(address, fcfg.coordinator_timeout_s, incarnation=incarnation)
+        self.membership = LiveMembership(
+            num_replicas=world_size // tp_size,
+            replica=self.replica,
+            members=(self.replica,),
+            group=None,
+            generation=0,
+            collectives=AbortableCollectives(backend, self._lost, self._reducing),
+        )
+        self.vote = CommitVote(
+            self.plane,
+            self.membership,
+            rank=rank,
+            tp=tp_size,
+            stop_flag=StopFlag(),
+            failure_wait_s=fcfg.failure_wait_s,
+            regroup_timeout_s=fcfg.regroup_timeout_s,
+            log=log,
+        )
+        self.membership.vote = self.vote
+        self.sync = StateSync(
+            self.plane,
+            self.membership,
+            rank=rank,
+            backend=backend,
+            has_state=incarnation == 0,
+            log=log,
+        )
+        self.sync.before_transfer = before_transfer
+        self.regroup = Regroup(
+            self.plane,
+            self.membership,
+            self.sync,
+            rank=rank,
+            tp_rank=self.tp_rank,
+            backend=backend,
+            group_timeout_s=cfg.parallel.timeout_s,
+            regroup_timeout_s=fcfg.regroup_timeout_s,
+            log=log,
+        )
+        self.metrics_writer = lambda: self.is_leader
+        self._plan_cache: tuple[tuple[int, ...], RankStepPlan | None] | None = None
+        self._job_degraded = False
+        self._task_log = None
+
+    @property
+    def store(self):
+        return self.plane.store
+
+    @property
+    def num_replicas(self) -> int:
+        return self.membership.num_replicas
+
+    @property
+    def is_leader(self) -> bool:
+        """Writes metrics and the summary: TP rank 0 of the lowest live replica."""
+        return self.tp_rank == 0 and self.membership.members[0] == self.replica
+
+    is_writer = is_leader
+
+    def _lost(self) -> str | None:
+        m = self.membership
+        return self.plane.membership_lost(m.generation, m.members)
+
+    def _reducing(self) -> None:
+        self.plane.set_phase("reduce")
+
+    # ------------------------------------------------------------------ start-up
+    def open(self, stop_flag: StopFlag) -> None:
+        self.vote.stop_flag = stop_flag
+        self.register()
+
+    def register(self) -> None:
+        """Announce this incarnation to the coordinator and start heartbeating."""
+        store, fcfg = self.store, self.fcfg
+        store.set(keys.progress(self.rank), f"{self.incarnation}:-1:idle")
+        reg = Registration(
+            incarnation=self.incarnation,
+            pid=os.getpid(),
+            host=keys.this_host(),
+            tp=self.tp,
+            world=self.world,
+            node=int(os.environ.get(keys.NODE_RANK_ENV, 0)),
+        )
+        self.plane.hb = Heartbeat(
+            self.plane.address,
+            self.rank,
+            interval_s=fcfg.heartbeat_interval_s,
+            coordinator_timeout_s=fcfg.coordinator_timeout_s,
+            stop_flag=self.vote.stop_flag,
+            incarnation=self.incarnation,
+            beat_dir=os.environ.get(local_beat.BEAT_DIR_ENV),
+        )
+        recoverable = self.cfg.snapshot.enabled or self.cfg.checkpoint.interval > 0
+        recovery = {
+            "mode": self.cfg.recovery.mode,
+            "recoverable": recoverable,
+            "wait_all_s": self.cfg.recovery.wait_all_s,
+        }
+        store.set(keys.RECOVERY, json.dumps(recovery))
+        keys.register(store, self.rank, reg.to_json())
+        self.plane.hb.start()
+
+    def init_parallel(self, cfg):
+        """Default process group = this replica's TP ranks (on a store prefix of the replica's
+        incarnation); then megatron's groups, which see one replica (DP = 1)."""
+        from megatron_mecefo.mcore.parallel import init_parallel
+
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+        if self.backend == "nccl":  # before the first NCCL group: torch reads it at construction
+            groups.apply_nccl_policy(os.environ, cfg.parallel.timeout_s)
+        if self.tp == 1:
+            store = dist.HashStore()
+        else:
+            client = keys.connect(self.plane.address, self.fcfg.regroup_timeout_s)
+            store = dist.PrefixStore(f"replica/{self.replica}/{self.incarnation}", client)
+        dist.init_process_group(
+            self.backend, store=store, rank=self.tp_rank, world_size=self.tp, timeout=timeout
+        )
+        return init_parallel(cfg.parallel)
+
+    def share_identity(self):
+        # one identity for the launch: the first trainer's proposal, through the store
+        from megatron_mecefo.checkpoint.resume import share_over_store
+
+        return share_over_store(self.store)
+
+    def data_preparation(self) -> dict[str, Any]:
+        return shared_preparation(
+            self.cfg.data,
+            self.store,
+            builder=self.tp_rank == 0,
+            rank=self.rank,
+            timeout_s=self.fcfg.start_timeout_s,
+            log=self.log,
+        )
+
+    def logger(self, component: str):
+        if component == "engine":
+            return (lambda m: print(m, flush=True)) if self.first else (lambda m: None)
+        prefix = "checkpoint" if component == "checkpoint" else "recovery"
+        return lambda m: print(f"[{prefix}] rank {self.rank}: {m}", flush=True)
+
+    def saves_checkpoints(self) -> bool:
+        return self.membership.members[0] == self.replica
+
+    def start(self, engine, load_state) -> int | None:
+        """A fresh start loads the newest state it can find; a restarted rank takes it from a
+        live peer, or (every replica lost) from the recovery order. None: the job ended first."""
+        self.sync.recover = load_state
+        if self.incarnation == 0:
+            self.plane.next_step = load_state() or 0
+        try:
+            return self.join(engine)
+        except JobDone:
+            return None
+
+    def join(self, engine) -> int:
+        """Wait for a generation that includes this replica, form it, sync state.
+
+        Returns the first step to run. Raises `JobDone` if the job ended meanwhile, and
+        `QuorumTimeoutError` if no generation includes this replica within the regroup timeout
+        (for instance its TP peer never came back; the agent restarts this rank).
+        """
+        fcfg = self.fcfg
+        wait_s = fcfg.start_timeout_s if self.incarnation == 0 else fcfg.regroup_timeout_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            # the heartbeat's generation (from the agent when aggregated): 16k ranks waiting for
+            # the first generation must not poll the store every 20 ms
+            gen = self.plane.latest_gen
+            if self.plane.job_done():
+                raise JobDone()
+            if gen > 0 and self.plane.record(gen).admits(self.rank, self.replica, self.incarnation):
+                break
+            if time.monotonic() > deadline:
+                raise QuorumTimeoutError(
+                    f"replica {self.replica} was not admitted within {wait_s:.0f} s "
+                    "(failover.start_timeout_s / regroup_timeout_s)"
+                )
+            time.sleep(0.02)
+        self.regroup.adopt(engine, gen, f"pg/{gen}", is_leader=lambda: self.is_leader)
+        return self.plane.next_step
+
+    def layout(self, ctx) -> dict[str, Any]:
+        return {
+            "world_size": self.world,
+            "dp_size": self.num_replicas,
+            "tp_size": self.tp,
+            "backend": self.backend,
+            "failover": True,
+        }
+
+    def logs_metrics(self, ctx) -> bool:
+        return self.tp_rank == 0
+
+    def claims_run_dir(self) -> bool:
+        # the first leader, whichever replica it is: a rank 0 that stalls or dies at start-up
+        # cannot leave the job without a run directory (it re-checks: rank 0 may not have)
+        return self.is_leader and not self.store.check([keys.RUN_DIR])
+
+    def run_dir_created(self, start_step: int) -> None:
+        from megatron_mecefo.metrics.summary import file_size
+
+        store = self.store
+        store.set(keys.JOB_START_STEP, str(start_step))
+        events_start = file_size(Path(self.cfg.run_dir) / "events.jsonl")  # before the
+        store.set(keys.JOB_EVENTS_START, str(events_start))  # coordinator writes this launch's
+        store.set(keys.RUN_DIR, f"{os.path.abspath(self.cfg.run_dir)}|{time.time()}")
+
+    def joined(self, start_step: int) -> None:
+        from megatron_mecefo.training.run_dir import truncate_audit, truncate_metrics
+
+        if start_step > 0:
+            print(
+                f"rank {self.rank} (incarnation {self.incarnation}) rejoined at step {start_step}",
+                flush=True,
+            )
+        if self.is_leader and self.incarnation > 0:  # after an in-job recovery that rolled back
+            truncate_metrics(Path(self.cfg.run_dir) / "metrics.jsonl", start_step)
+            truncate_audit(Path(self.cfg.run_dir), start_step)
+
+    def job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """A restarted leader saw part of the job: summarise all of it (`metrics/summary.py`)."""
+        from megatron_mecefo.metrics.summary import job_wide
+
+        events, events_seq = posted_events(self.store, wait_s=2.0)
+        return job_wide(
+            summary,
+            Path(self.cfg.run_dir) / "metrics.jsonl",
+            start_step=keys.get_int(self.store, keys.JOB_START_STEP),
+            expected_microbatches=self.num_replicas * self.cfg.training.num_microbatches,
+            events=events,
+            events_seq=events_seq,
+            events_start=keys.get_int(self.store, keys.JOB_EVENTS_START),
+        )
+
+    def stop(self) -> None:
+        if self.plane.hb is not None:
+            self.plane.hb.stop()
+        if self._task_log is not None:
+            self._task_log.close()
+
+    # ------------------------------------------------------------------ each step
+    def begin_step(self, engine, step: int) -> RankStepPlan:
+        if self.vote.pending is not None:
+            gen, key = self.vote.pending
+            self.vote.pending = None
+            self.regroup.adopt(engine, gen, key, is_leader=lambda: self.is_leader)
+        self.plane.set_phase("compute", step)
+        return self._plan(step) or engine.default_plan()
+
+    def end_step(self, engine, result) -> dict[str, Any]:
+        m = self.membership
+        if not result.committed:
+            # the job-wide count, once per aborted attempt: summary.json counts these events
+            if self.store.add(keys.redone(m.generation, result.step, self.vote.attempt), 1) == 1:
+                post_event(
+                    self.store,
+                    "step_redone",
+                    step=result.step,
+                    dp_rank=None,
+                    generation=m.generation,
+                    attempt=self.vote.attempt - 1,
+                )
+            return {}
+        self.plane.next_step = result.step + 1
+        if self.fcfg.audit and self.tp_rank == 0:
+            self._log_tasks(engine, result.step)
+        return {
+            "generation": m.generation,
+            "replicas_alive": m.size,
+            "global_microbatches": result.global_microbatches,
+            "job_degraded": bool(self._job_degraded),  # any replica ran degraded micro-batches
+        }
+
+    def should_stop(self, engine, result) -> bool:
+        return self.vote.stop_after == result.step
+
+    def on_train_end(self, engine, summary: dict[str, Any]) -> None:
+        if self.fcfg.audit:
+            path = Path(self.cfg.run_dir) / "audit" / f"state_rank{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            info = {"next_step": self.plane.next_step, **train_state.digest(engine)}
+            path.write_text(json.dumps(info))
+        if self.is_leader:
+            keys.raise_flag(self.store, keys.DONE, "1")
+        times = self.vote.times_s
+        summary["failover"] = {  # this process's view; the job's counts come from events
+            "regroups": self.regroup.count,
+            "rejoin_bytes": self.sync.rejoin_bytes,
+            "rejoin_s": self.sync.rejoin_s,
+            "final_generation": self.membership.generation,
+            "vote_ms_median": round(1000 * statistics.median(times), 3) if times else None,
+        }
+
+    # ------------------------------------------------------------------ plans and audit
+    def _plan(self, step: int) -> RankStepPlan | None:
+        members = self.membership.members
+        if self._plan_cache is None or self._plan_cache[0] != members:
+            plan, self._job_degraded = None, False
+            if len(members) < self.num_replicas:
+                plans = plans_for_members(self.cfg, members, self.num_replicas)
+                plan = plans[self.replica]
+                self._job_degraded = any(p.num_degraded for p in plans.values())
+                if self.is_leader:
+                    self._post_takeover(step, plans)
+            self._plan_cache = (members, plan)
+        return self._plan_cache[1]
+
+    def _post_takeover(self, step: int, plans: dict[int, RankStepPlan]) -> None:
+        work = {r: [len(p.tasks), p.num_degraded] for r, p in plans.items() if len(p.tasks) > 0}
+        post_event(
+            self.store,
+            "takeover",
+            step=step,
+            dp_rank=None,
+            generation=self.membership.generation,
+            detail=(
+                f"policy {self.cfg.mecefo.takeover_policy}; dead {list(self.membership.dead)}; "
+                f"replica: [micro-batches, degraded] {json.dumps(work)}"
+            ),
+        )
+
+    def _log_tasks(self, engine, step: int) -> None:
+        if self._task_log is None:
+            path = Path(self.cfg.run_dir) / "audit" / f"tasks_rank{self.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._task_log = open(path, "a", buffering=1)
+        plan = (self._plan_cache[1] if self._plan_cache else None) or engine.default_plan()
+        # a slice adds its sample range: [replica, micro, degraded, start, stop]
+        tasks = [
+            [t.source_dp_rank, t.micro_index, int(t.degraded), *(t.samples or ())]
+            for t in plan.tasks
+        ]
+        line = {"step": step, "replica": self.replica, "inc": self.incarnation, "tasks": tasks}
+        line["micro_batch_size"] = self.cfg.training.micro_batch_size
+        self._task_log.write(json.dumps(line) + "\n")

@@ -1,0 +1,171 @@
+"""Failure injection with real signals: a trainer kills, stops or breaks itself at a step.
+
+`--inject KIND:RANK:STEP[:DOWN_STEPS]` (RANK is the global rank; STEP may be `rejoin`: the rank
+fails when it is about to send or receive state for a rejoining replica) and `--failures FILE`
+(the scenario schema of `sim/scenario.py`; a `dp_rank` there means every TP rank of that replica)
+both become `InjectionSpec`s. Each fires once per job, at the start of its step, in whichever
+incarnation of the rank reaches that step first. The `Injector` is a loop hook (`before_step`),
+added only when a job has injections; the failover trainer calls its `at_rejoin` just before a
+state transfer. Kinds:
+
+  kill       SIGKILL itself (the agent restarts it after DOWN_STEPS steps, or its restart delay)
+  hang       SIGSTOP itself: no heartbeats, no progress (the coordinator evicts it, the agent
+             SIGKILLs and restarts it)
+  exception  raise in the training step (the process exits 1; the agent restarts it)
+  stall      the step never finishes but heartbeats go on (detected by the hang timeout)
+  starve     not a failure: a C call holds the interpreter lock for STARVE_S seconds (as a
+             native extension may), so the heartbeat thread is silent while the process lives;
+             the rank must be judged slow, not dead
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+from megatron_mecefo.control import keys
+from megatron_mecefo.errors import ConfigError
+from megatron_mecefo.training.hooks import TrainHook
+
+KINDS = ("kill", "hang", "exception", "stall", "starve")
+STARVE_S = 8
+AT_REJOIN = -1
+"""`InjectionSpec.step` of a failure during a rejoin's state transfer."""
+_SCENARIO_KINDS = {"kill": "kill", "hang": "hang", "crash": "exception"}
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by an `exception` injection."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InjectionSpec:
+    kind: str
+    rank: int
+    """Global rank."""
+    step: int
+    """Step at whose start it fires, or AT_REJOIN."""
+    down_steps: int | None = None
+    """Steps until the agent restarts the rank (None: its restart delay)."""
+
+
+def parse_inject(text: str) -> InjectionSpec:
+    """`KIND:RANK:STEP[:DOWN_STEPS]` -> spec; a malformed value is a one-line ConfigError."""
+    parts = text.split(":")
+    usage = f"--inject {text!r}: expected KIND:RANK:STEP[:DOWN_STEPS] with KIND in {KINDS}"
+    if len(parts) not in (3, 4) or parts[0] not in KINDS:
+        raise ConfigError(usage)
+    if not all(p.isdigit() for p in parts[1:] if p != "rejoin"):  # int() would take " 1", "+1"
+        raise ConfigError(f"{usage}; RANK, STEP and DOWN_STEPS are plain numbers")
+    try:
+        step = parts[2]
+        nums = [int(parts[1]), AT_REJOIN if step == "rejoin" else int(step)]
+        nums += [int(p) for p in parts[3:]]
+    except ValueError:
+        raise ConfigError(usage) from None
+    if nums[0] < 0 or nums[1] < AT_REJOIN or (len(nums) == 3 and nums[2] < 1):
+        raise ConfigError(f"{usage}; RANK and STEP must be >= 0 and DOWN_STEPS >= 1")
+    return InjectionSpec(parts[0], nums[0], nums[1], nums[2] if len(nums) == 3 else None)
+
+
+def from_scenario(path: str, tp_size: int) -> list[InjectionSpec]:
+    """The injections of a `configs/failures/*.yaml` scenario, one spec per TP rank."""
+    from megatron_mecefo.sim.scenario import load_scenario
+
+    specs = []
+    for inj in load_scenario(path).injections:
+        if inj.kind not in _SCENARIO_KINDS:
+            raise ConfigError(
+                f"{path}: injection kind {inj.kind!r} cannot be injected into a real run "
+                f"(supported: {', '.join(_SCENARIO_KINDS)})"
+            )
+        down = None if inj.rejoin_at is None else inj.rejoin_at - inj.step
+        for t in range(tp_size):
+            specs.append(
+                InjectionSpec(_SCENARIO_KINDS[inj.kind], inj.dp_rank * tp_size + t, inj.step, down)
+            )
+    return specs
+
+
+def check_ranks(specs: list[InjectionSpec], world_size: int) -> None:
+    for s in specs:
+        if s.rank >= world_size:
+            raise ConfigError(
+                f"--inject {s.kind}:{s.rank}:{s.step} targets rank {s.rank}, but the job has "
+                f"{world_size} ranks (0..{world_size - 1})"
+            )
+
+
+def specs_of(inject: list[str] | None, failures: str | None, cfg, world_size: int | None):
+    """Every injection of a command line, checked against the job: a malformed spec, a rank the
+    job does not have (`world_size`, when known) or a step it never reaches is a ConfigError."""
+    specs = [parse_inject(s) for s in inject or []]
+    if failures:
+        specs += from_scenario(failures, cfg.parallel.tensor_model_parallel_size)
+    if world_size is not None:
+        check_ranks(specs, world_size)
+    check_steps(specs, cfg.training.max_steps)
+    return specs
+
+
+def check_steps(specs: list[InjectionSpec], max_steps: int) -> None:
+    """An injection at a step the job never reaches would silently never fire."""
+    for s in specs:
+        if s.step >= max_steps:
+            raise ConfigError(
+                f"--inject {s.kind}:{s.rank}:{s.step} is at step {s.step}, but the job runs "
+                f"steps 0..{max_steps - 1} (training.max_steps={max_steps})"
+            )
+
+
+class Injector(TrainHook):
+    """Fires this rank's injections (each once per job, claimed through the store)."""
+
+    def __init__(self, specs, store, rank: int, incarnation: int):
+        self.specs = [s for s in specs if s.rank == rank]
+        self.store = store
+        self.rank = rank
+        self.incarnation = incarnation
+
+    def before_step(self, engine, step: int) -> None:
+        self.maybe_fire(step)
+
+    def at_rejoin(self) -> None:
+        self.maybe_fire(AT_REJOIN)
+
+    def maybe_fire(self, step: int) -> None:
+        """Fire the injection of `step` (a step number or AT_REJOIN), once per job."""
+        for spec in self.specs:
+            if spec.step != step:
+                continue
+            mine = str(self.incarnation)
+            if (
+                self.store.compare_set(keys.inject_claim(self.rank, step), "", mine).decode()
+                != mine
+            ):
+                continue  # an earlier incarnation already fired it
+            self._fire(spec, step)
+
+    def _fire(self, spec: InjectionSpec, step: int) -> None:
+        if spec.down_steps is not None:
+            job_step = keys.get_int(self.store, keys.JOB_STEP, 0)
+            back = max(step, job_step) + spec.down_steps
+            self.store.set(keys.downtime(self.rank, self.incarnation), str(back))
+        self.store.set(keys.injected(self.rank, self.incarnation), f"{spec.kind}:{time.time()}")
+        when = "during a rejoin" if step == AT_REJOIN else f"at step {step}"
+        print(f"[inject] rank {self.rank}: {spec.kind} {when}", flush=True)
+        if spec.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif spec.kind == "exception":
+            raise InjectedFailure(f"injected exception on rank {self.rank} at step {step}")
+        elif spec.kind == "stall":
+            while True:
+                time.sleep(3600)
+        elif spec.kind == "starve":
+            import ctypes
+
+            ctypes.PyDLL(None).sleep(STARVE_S)  # PyDLL: the GIL is held through the call

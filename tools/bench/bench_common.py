@@ -1,0 +1,186 @@
+"""Shared by the benchmark scripts: timing, statistics, table cells, JSON output, the machine's
+description, and the demo job's command line and run-directory files.
+
+Imported as `bench_common`, as `bench_engine` is: a script run as `python tools/bench/X.py` has
+this folder on sys.path already; one that tests load by file path puts it there itself. No torch
+import at module level (the control-plane, failover and node-loss benchmarks do not need torch in
+the parent process); the timing helpers import it when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+"""The run config of the tiny demo job the end-to-end benchmarks launch."""
+
+
+def bench_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser whose --help shows the script's docstring as written."""
+    return argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+# -------------------------------------------------------------------------------------- timing
+def init_torch(threads: int):
+    """torch on `threads` CPU threads and a world-1 `ParallelContext` (its device: the GPU when
+    there is one); returns the context."""
+    import torch
+
+    from megatron_mecefo.mcore.config import ParallelConfig
+    from megatron_mecefo.mcore.parallel import init_parallel
+
+    torch.set_num_threads(threads)
+    return init_parallel(ParallelConfig())
+
+
+def sync() -> None:
+    """Wait for the GPU's queued work (nothing on CPU), so that a timer reads finished work."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_train_step(
+    engine,
+    tasks,
+    step: int,
+    *,
+    num_replicas: int,
+    microbatches_per_replica: int,
+    micro_batch_size: int | None = None,
+) -> float:
+    """Seconds of one `Engine.train_step` running `tasks` (`MicroBatchTask`s) as its plan."""
+    from megatron_mecefo.plan.step_plan import RankStepPlan
+
+    plan = RankStepPlan(
+        tasks=tuple(tasks),
+        num_replicas=num_replicas,
+        microbatches_per_replica=microbatches_per_replica,
+        micro_batch_size=micro_batch_size,
+    )
+    sync()
+    start = time.perf_counter()
+    engine.train_step(step, plan)
+    sync()
+    return time.perf_counter() - start
+
+
+def fastest_of_rounds(
+    run: Callable[[object, int], float], scenarios: dict, reps: int, *, warmup: bool = True
+) -> dict:
+    """Fastest of `reps` runs per scenario (`run(scenario, step)` -> seconds), the scenarios
+    interleaved round by round so that slow drift of the machine's speed hits every scenario
+    alike (on a shared CPU interference only ever adds time). With `warmup`, each scenario runs
+    once at step 0 first (untimed), the timed rounds at step 1."""
+    if warmup:
+        for scenario in scenarios.values():
+            run(scenario, 0)
+    best = {label: math.inf for label in scenarios}
+    for _ in range(reps):
+        for label, scenario in scenarios.items():
+            best[label] = min(best[label], run(scenario, 1))
+    return best
+
+
+# ---------------------------------------------------------------------------------- statistics
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100); None for no values."""
+    data = sorted(values)
+    if not data:
+        return None
+    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
+
+
+def median_of(values: Iterable[float | None]) -> float | None:
+    """Median of the values that are not None; None when there are none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+# -------------------------------------------------------------------------------------- output
+def cell(value, spec: str = "", *, scale: float = 1.0, missing: str = "n/a") -> str:
+    """One table cell: `value` x `scale` in format `spec`, or `missing` for None."""
+    if value is None:
+        return missing
+    return format(value * scale if scale != 1.0 else value, spec)
+
+
+def save_json(doc, path: str | os.PathLike, *, indent: int = 2) -> Path:
+    """Write `doc` to `path` (folders created; values JSON cannot hold are written as text)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=indent, default=str))
+    return out
+
+
+def write_json(doc, path: str | os.PathLike, *, indent: int = 2, blank_line: bool = True) -> int:
+    """`save_json`, then say where (after a blank line); returns 0, a script's exit status."""
+    out = save_json(doc, path, indent=indent)
+    lead = "\n" if blank_line else ""
+    print(f"{lead}wrote {out}")
+    return 0
+
+
+def mem_available_gb() -> float:
+    """The kernel's MemAvailable, in GiB (0 where /proc/meminfo does not say)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def machine() -> dict:
+    """Where a benchmark ran: CPUs, platform, Python, available memory, local date."""
+    import platform
+
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mem_available_gb": mem_available_gb(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+
+
+# ----------------------------------------------------------------------------------- demo jobs
+def demo_job_args(
+    steps: int, run_dir: str | os.PathLike, demo_dir: str, *extra: str, config=DEMO_CONFIG
+) -> list[str]:
+    """`mecefo-train` arguments of a demo job of `steps` steps writing to `run_dir`, evaluation
+    and step printing off, then `extra` (more overrides or options)."""
+    return [
+        "--config",
+        str(config),
+        "--max-steps",
+        str(steps),
+        "--run-dir",
+        str(run_dir),
+        f"data.demo_dir={demo_dir}",
+        "training.eval_interval=0",
+        "logging.print_interval=0",
+        *extra,
+    ]
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The rows of a JSON-lines file (events.jsonl, metrics.jsonl); [] when it does not exist,
+    blank lines skipped."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]

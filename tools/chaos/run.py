@@ -1,0 +1,690 @@
+"""Chaos soak: random fault schedules from a seed, run against real `mecefo-launch` jobs, each
+checked against the failover invariants.
+
+    python tools/chaos/run.py --seed 1 --schedules 12                 # 2 nodes x 2 ranks, all kinds
+    python tools/chaos/run.py --seed 1 --schedules 3 --kinds kill,stop,exception,smp_kill
+    python tools/chaos/run.py --seed 1 --only 4 ...                   # reproduce schedule 4 alone
+    python tools/chaos/run.py --seed 1 --schedules 12 --list          # print the schedules only
+
+Each schedule (`tools/chaos/schedule.py`: kinds, awkward moments, acceptable exits)
+runs the tiny demo model on `--nodes` simulated nodes (one `mecefo-launch` agent each; node 0
+starts the coordinator) with `failover.audit=true`. Faults are timed by job progress (the step
+from the coordinator store's job/step key and metrics.jsonl; "start" = the first generation has
+formed, before step 0). Every job carries a unique tag in its environment (and run-dir path);
+after it ends the tool checks (`tools/chaos/checks.py`): each step logged once, each
+(step, replica, micro-batch) committed once, replica digests equal, summary.json agreeing with
+events and metrics, exit codes acceptable for the schedule, no tagged process and no shared memory
+left. Every wait is bounded: a job past its time limit, or without a new step for --stall-s, is
+killed (every tagged process) and fails with "hang".
+
+Prints a line per schedule and a table; writes OUT/chaos.json (after every schedule). Exit 0 only
+if every schedule ended acceptably.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB_ENV = dict(os.environ)
+"""The environment jobs start with: this process quiets torch's C++ warnings (its store client
+logs a stack trace whenever the coordinator goes away), the jobs keep theirs."""
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from megatron_mecefo.control import keys  # noqa: E402
+from tools.chaos import checks  # noqa: E402
+from tools.chaos.schedule import (  # noqa: E402
+    KIND_HELP,
+    KINDS,
+    PASSING_TODAY,
+    Fault,
+    Schedule,
+    generate,
+)
+
+CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+RETRY_S = 20.0
+"""How long a fault waits for its target (a rank being restarted, a snapshot process) to exist."""
+LEFTOVER_GRACE_S = 25.0
+"""After the agents exit: how long the job's processes may take to go (agent: 10 s for its
+children, 10 s for the coordinator)."""
+ROLE = {
+    "agent": "megatron_mecefo.failover.node.agent_cli",
+    "coordinator": "megatron_mecefo.failover.authority.coordinator_cli",
+    "store": "megatron_mecefo.failover.authority.store_host",
+    "smp": "megatron_mecefo.snapshot.smp",
+    "trainer": "megatron_mecefo.train",
+    "spare": "megatron_mecefo.warm_spare",
+}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    kinds = "\n".join(f"  {k:17s}{KIND_HELP[k]}" for k in KINDS)
+    p = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"fault kinds (passing today: {', '.join(PASSING_TODAY)}):\n{kinds}",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedules", type=int, default=10, help="schedules 0..N-1")
+    p.add_argument("--only", default="", help="comma list of schedule indices to run (repro)")
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (agents)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--max-steps", type=int, default=40)
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    p.add_argument("--out", default="", help="output folder (default runs/chaos-seed<S>)")
+    p.add_argument("--demo-dir", default=str(ROOT / ".cache" / "demo_data"))
+    p.add_argument("--warm-spares", type=int, default=1, help="per agent (mecefo-launch)")
+    p.add_argument("--job-timeout-s", type=float, default=0, help="0: 180 + 3/step + 45/fault")
+    p.add_argument("--stall-s", type=float, default=180, help="hang if no new step this long")
+    p.add_argument("--list", action="store_true", help="print the schedules, run nothing")
+    args = p.parse_args(argv)
+    args.kinds = tuple(k for k in args.kinds.split(",") if k)
+    args.indices = (
+        [int(i) for i in args.only.split(",") if i] if args.only else list(range(args.schedules))
+    )
+    args.out = Path(args.out or ROOT / "runs" / f"chaos-seed{args.seed}").resolve()
+    return args
+
+
+# ---------------------------------------------------------------------------- the job
+
+
+class Job:
+    """One schedule's `mecefo-launch` agents, tagged, with its run dir and logs under `folder`."""
+
+    def __init__(self, schedule: Schedule, folder: Path, args: argparse.Namespace):
+        self.s = schedule
+        self.tag = f"chaos-{schedule.seed}-{schedule.index}-{uuid.uuid4().hex[:8]}"
+        self.folder = folder / self.tag
+        self.run_dir = self.folder / "run"
+        self.args = args
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.agents: dict[int, subprocess.Popen] = {}
+        self.killed_agents: set[int] = set()
+        self.env = {
+            **JOB_ENV,
+            checks.TAG_ENV: self.tag,
+            "PYTHONWARNINGS": "ignore",
+            "OMP_NUM_THREADS": "1",
+        }
+
+    def trainer_args(self) -> list[str]:
+        s = self.s
+        return [
+            "--config", str(CONFIG),
+            "--max-steps", str(s.max_steps),
+            "--run-dir", str(self.run_dir),
+            f"data.demo_dir={self.args.demo_dir}",
+            "failover.audit=true",
+            "logging.print_interval=5",
+            "training.eval_interval=0",
+            "training.micro_batch_size=4",
+            f"snapshot.interval={s.snapshot_interval}",
+            "recovery.wait_all_s=20",
+            *s.inject_args(),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for node in range(self.s.nodes):
+            where = (
+                ["--coordinator-port", str(self.port)]
+                if node == 0
+                else ["--coordinator", self.address]
+            )
+            cmd = [
+                sys.executable, "-m", ROLE["agent"],
+                "--nproc-per-node", str(self.s.nproc),
+                "--nnodes", str(self.s.nodes),
+                "--node-rank", str(node),
+                "--restart-delay-s", "0.5",
+                "--warm-spares", str(self.args.warm_spares),
+                *where, "--", *self.trainer_args(),
+            ]  # fmt: skip
+            with open(self.folder / f"node{node}.log", "w") as log:
+                self.agents[node] = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
+                    start_new_session=True,
+                )  # fmt: skip
+            if node == 0 and self.s.nodes > 1:
+                self._wait_listening(self.agents[0], 120.0)
+
+    def _wait_listening(self, agent: subprocess.Popen, bound_s: float) -> None:
+        """Start the other nodes once the coordinator store listens (bounded)."""
+        deadline = time.monotonic() + bound_s
+        while time.monotonic() < deadline and agent.poll() is None:
+            with socket.socket() as sock:
+                sock.settimeout(0.5)
+                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.2)
+
+    def processes(self, role: str | None = None) -> list[checks.Proc]:
+        procs = checks.tagged_processes(self.tag)
+        if role is None:
+            return procs
+        return [p for p in procs if f"-m {ROLE[role]} " in p.cmdline + " "]
+
+    def live_agents(self) -> list[int]:
+        return [
+            n for n, p in self.agents.items() if n not in self.killed_agents and p.poll() is None
+        ]
+
+    def ended(self) -> bool:
+        """Every agent the schedule did not kill exited; if some were killed, their orphaned
+        trainers are gone too (else the run ends when the remaining agents do)."""
+        if self.live_agents():
+            return False
+        if not self.killed_agents:
+            return True
+        return not (self.processes("trainer") or self.processes("spare"))
+
+    def exit_codes(self) -> dict[int, int | None]:
+        return {n: p.poll() for n, p in self.agents.items() if n not in self.killed_agents}
+
+    def kill_all(self) -> None:
+        """SIGKILL every process of the job (agents' sessions, then anything tagged), bounded."""
+        for proc in self.agents.values():
+            _killpg(proc.pid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            left = self.processes()
+            if not left:
+                break
+            checks.kill_processes(left)
+            time.sleep(0.2)
+        for proc in self.agents.values():
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+class Probe:
+    """Reads the job's progress: the coordinator store (job step, generation, ranks' pids) and
+    metrics.jsonl. The store may be gone (coordinator killed): every read is bounded, and a
+    failed connection is retried at most once a second."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        self.store = None
+        self._retry_at = 0.0
+        self.metrics_step = -1
+        self._offset = 0
+        self.step_seen = -1
+        self.step_changed = time.monotonic()
+
+    def _get(self, key: str) -> bytes | None:
+        now = time.monotonic()
+        if self.store is None and now >= self._retry_at:
+            try:
+                self.store = keys.connect(self.job.address, 2.0)
+            except Exception:  # noqa: BLE001 - not up yet, or gone
+                self._retry_at = now + 1.0
+                return None
+        if self.store is None:
+            return None
+        try:
+            return self.store.get(key) if self.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store went away
+            self.store, self._retry_at = None, now + 1.0
+            return None
+
+    def step(self) -> int:
+        """The step the job is in: the store's job/step, or one past metrics' last step."""
+        path = self.job.run_dir / "metrics.jsonl"
+        if path.exists():
+            with open(path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+            complete = chunk[: chunk.rfind(b"\n") + 1]
+            self._offset += len(complete)
+            for line in complete.splitlines():
+                try:
+                    self.metrics_step = max(self.metrics_step, json.loads(line)["step"])
+                except (ValueError, KeyError):
+                    pass
+        raw = self._get(keys.JOB_STEP)
+        step = max(self.metrics_step + 1, int(raw) if raw else -1)
+        if step > self.step_seen:
+            self.step_seen, self.step_changed = step, time.monotonic()
+        return step
+
+    def generation(self) -> int:
+        raw = self._get(keys.GEN)
+        return int(raw) if raw else 0
+
+    def rank_pid(self, rank: int) -> int | None:
+        """The pid of `rank`'s current process, if it is alive and belongs to the job."""
+        raw = self._get(keys.registration(rank))
+        if raw is None:
+            return None
+        pid = int(json.loads(raw)["pid"])
+        return pid if pid in {p.pid for p in self.job.processes()} else None
+
+
+# ---------------------------------------------------------------------------- faults
+
+
+class Faults:
+    """Fires the tool-side faults of a schedule when their moment comes; keeps a ledger."""
+
+    def __init__(self, job: Job, probe: Probe):
+        self.job, self.probe = job, probe
+        self.pending = [f for f in job.s.faults if not f.by_trainer]
+        self.first_try: dict[int, float] = {}
+        self.timers: list[tuple[float, str, object]] = []  # (when, "cont"|"unhog", target)
+        self.stopped: set[int] = set()
+        self.hogs: list[subprocess.Popen] = []
+        self.ledger: list[dict] = []
+        self.job_started = time.monotonic()
+
+    def tick(self, step: int) -> None:
+        now = time.monotonic()
+        for when, what, target in [t for t in self.timers if t[0] <= now]:
+            self.timers.remove((when, what, target))
+            if what == "cont":
+                self._cont(target)
+            else:
+                self._unhog()
+        for fault in list(self.pending):
+            ready = self.probe.generation() >= 1 if fault.at == "start" else step >= fault.step
+            if not ready:
+                continue
+            done, detail = self._fire(fault)
+            if done or now - self.first_try.setdefault(id(fault), now) > RETRY_S:
+                self.pending.remove(fault)
+                self.ledger.append(
+                    {"fault": fault.describe(), "fired": done, "step": step, "detail": detail,
+                     "t_s": round(now - self.job_started, 1)}
+                )  # fmt: skip
+
+    def _fire(self, f: Fault) -> tuple[bool, str]:
+        kind = f.kind
+        if kind in ("kill", "stop"):
+            pid = self.probe.rank_pid(f.rank)
+            if pid is None:
+                return False, f"rank {f.rank} not running"
+            if kind == "kill":
+                return _kill(pid, signal.SIGKILL), f"SIGKILL pid {pid}"
+            if not _kill(pid, signal.SIGSTOP):
+                return False, f"pid {pid} gone"
+            self.stopped.add(pid)
+            self.timers.append((time.monotonic() + f.hold_s, "cont", pid))
+            return True, f"SIGSTOP pid {pid} for {f.hold_s:.1f} s"
+        if kind == "agent_kill":
+            self.job.killed_agents.add(f.node)
+            return _kill(self.job.agents[f.node].pid, signal.SIGKILL), f"SIGKILL agent {f.node}"
+        if kind == "node_loss":
+            return self._lose_node(f.node)
+        if kind in ("smp_kill", "coordinator_kill"):
+            role = "smp" if kind == "smp_kill" else "coordinator"
+            hits = [
+                p for p in self.job.processes(role)
+                if role != "smp" or f" --node {f.node} " in p.cmdline + " "
+            ]  # fmt: skip
+            if not hits:
+                return False, f"no {role} process"
+            return all(_kill(p.pid, signal.SIGKILL) for p in hits), f"SIGKILL {role} " + ",".join(
+                str(p.pid) for p in hits
+            )
+        if kind == "cpu_hog":
+            return self._hog(f.hold_s)
+        return False, f"not a tool-side fault: {kind}"
+
+    def _lose_node(self, node: int) -> tuple[bool, str]:
+        """The agent, then every process under it (ranks, spares, snapshot process and, on
+        node 0, the coordinator: a head-node loss), each with the process group it leads (a
+        rank and what it forked), back to back."""
+        agent = self.job.agents[node]
+        procs = self.job.processes()
+        under, frontier = [], {agent.pid}
+        while frontier:
+            level = [p for p in procs if p.ppid in frontier]
+            under += level
+            frontier = {p.pid for p in level}
+        self.job.killed_agents.add(node)
+        _killpg(agent.pid)
+        for p in under:
+            _killpg(p.pid)
+            _kill(p.pid, signal.SIGKILL)
+        return True, f"SIGKILL agent {node} and {len(under)} process(es) " + ",".join(
+            str(p.pid) for p in under
+        )
+
+    def _hog(self, hold_s: float) -> tuple[bool, str]:
+        env = {k: v for k, v in JOB_ENV.items() if k != checks.TAG_ENV}
+        env["MECEFO_CHAOS_HOG"] = self.job.tag
+        for _ in range(os.cpu_count() or 1):
+            self.hogs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", "while True: pass"], env=env, start_new_session=True
+                )
+            )
+        self.timers.append((time.monotonic() + hold_s, "unhog", None))
+        return True, f"{len(self.hogs)} busy loops for {hold_s:.1f} s"
+
+    def _cont(self, pid: int) -> None:
+        self.stopped.discard(pid)
+        if pid in {p.pid for p in self.job.processes()}:  # not evicted and replaced meanwhile
+            _kill(pid, signal.SIGCONT)
+
+    def _unhog(self) -> None:
+        for h in self.hogs:
+            _killpg(h.pid)
+            h.wait(timeout=5)
+        self.hogs.clear()
+
+    def cleanup(self) -> None:
+        for pid in list(self.stopped):
+            self._cont(pid)
+        self._unhog()
+        for f in self.pending:
+            self.ledger.append({"fault": f.describe(), "fired": False, "detail": "never reached"})
+
+
+# ---------------------------------------------------------------------------- one schedule
+
+
+def run_schedule(s: Schedule, args: argparse.Namespace) -> dict:
+    job = Job(s, args.out, args)
+    probe = Probe(job)
+    faults = Faults(job, probe)
+    limit = args.job_timeout_s or 180 + 3 * s.max_steps + 45 * len(s.faults)
+    start = faults.job_started = time.monotonic()
+    hang = None
+    try:
+        job.start()
+        while not job.ended():
+            step = probe.step()
+            faults.tick(step)
+            now = time.monotonic()
+            if now - start > limit:
+                hang = f"hang: the job ran past its {limit:.0f} s limit (at step {step})"
+            elif now - probe.step_changed > args.stall_s:
+                hang = f"hang: no new step for {args.stall_s:.0f} s (at step {step})"
+            if hang:
+                break
+            time.sleep(0.05)
+    finally:
+        faults.cleanup()
+        if hang or sys.exc_info()[0] is not None:
+            job.kill_all()
+    result = judge(job, probe, faults, hang)
+    result["wall_s"] = round(time.monotonic() - start, 1)
+    return result
+
+
+def judge(job: Job, probe: Probe, faults: Faults, hang: str | None) -> dict:
+    s, run_dir = job.s, job.run_dir
+    codes = job.exit_codes()
+    violations = [hang] if hang else []
+    leftovers = _wait_gone(job, LEFTOVER_GRACE_S)
+    violations += checks.check_leftovers(leftovers)
+    checks.kill_processes(leftovers)
+    events, _ = checks.read_jsonl(run_dir / "events.jsonl")
+    notes = _notes(job, faults, events)
+    acceptable = s.acceptable_exits()
+    if not hang:
+        violations += checks.check_exits(codes, acceptable)
+        violations += checks.check_abort_reason(run_dir, codes)
+        finished = bool(codes) and all(c == 0 for c in codes.values())
+        violations += _run_dir_checks(job, events, finished, notes)
+        if finished:
+            violations += checks.check_summary(run_dir)
+        violations += _shm_checks(job, finished)
+    _remove_shm(job)
+    code_set = sorted({c for c in codes.values() if c is not None})
+    why = "; ".join(acceptable[c] for c in code_set if c in acceptable and c != 0)
+    why = "" if violations else why
+    if violations:
+        outcome = "FAIL"
+    elif why:
+        outcome = f"ok (exit {','.join(map(str, code_set))})"
+    else:
+        outcome = "ok"
+    return {
+        "index": s.index, "outcome": outcome, "why": why, "violations": violations,
+        "notes": notes, "exit_codes": codes,
+        "agents_killed": sorted(job.killed_agents), "fired": faults.ledger,
+        "last_step": probe.step_seen - 1, "events": dict(Counter(e.get("type") for e in events)),
+        "failures": [f"r{e.get('ranks')} @{e.get('step')}: {e.get('detail')}"
+                     for e in events if e.get("type") == "failure"],
+        "dir": str(job.folder), "tag": job.tag,
+        "schedule": s.to_dict(),
+    }  # fmt: skip
+
+
+def _run_dir_checks(job: Job, events: list[dict], finished: bool, notes: list[str]) -> list[str]:
+    s, run_dir = job.s, job.run_dir
+    layout = _layout(run_dir)
+    if layout is None:
+        return [f"{run_dir}/config.yaml is missing or unreadable (the job never started)"]
+    tp, micro = layout
+    rolled_back = any(e.get("type") == "recovery" for e in events)
+    out = checks.check_metrics(run_dir, s.max_steps, complete=finished)
+    out += checks.check_audit(
+        run_dir,
+        s.max_steps,
+        s.world // tp,
+        micro,
+        rolled_back=rolled_back,
+        complete=finished,
+        gaps=notes,
+    )
+    if finished:
+        failed = {r for e in events if e.get("type") == "failure" for r in e.get("ranks") or []}
+        orphaned = {r for n in job.killed_agents for r in s.ranks_of(n)}
+        required = set(range(s.world)) - failed - orphaned
+        out += checks.check_digests(run_dir, s.max_steps, tp=tp, required=required)
+    return out
+
+
+def _shm_checks(job: Job, finished: bool) -> list[str]:
+    """After a finished job no surviving node keeps a snapshot folder (a lost node's stays, as
+    its memory would on a real node until reboot; the tool removes it)."""
+    root = _shm_root(job)
+    if root is None or not finished:
+        return []
+    out = []
+    for node in set(range(job.s.nodes)) - job.killed_agents:
+        out += checks.check_shm(root / f"node{node:04d}")
+    if not job.killed_agents:
+        out += checks.check_shm(root)
+    return out
+
+
+def _shm_root(job: Job) -> Path | None:
+    if not job.s.snapshot_interval:
+        return None
+    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.snapshot.paths import run_snapshot_root
+
+    return run_snapshot_root(SnapshotConfig(), str(job.run_dir))
+
+
+def _remove_shm(job: Job) -> None:
+    root = _shm_root(job)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _notes(job: Job, faults: Faults, events: list[dict]) -> list[str]:
+    """What is worth knowing but not a violation: faults that did not fire, failures no fault
+    explains (false deaths), a rank-fault without a failure event."""
+    notes = [f"{e['fault']} not fired: {e['detail']}" for e in faults.ledger if not e["fired"]]
+    notes += [
+        f"{e['fault']} fired late, at step {e['step']}: {e['detail']}"
+        for e in faults.ledger
+        if e["fired"] and e["step"] > _planned(e["fault"]) + 5
+    ]
+    failed = Counter(r for e in events if e.get("type") == "failure" for r in e.get("ranks") or [])
+    hit = {f.rank for f in job.s.faults if f.rank is not None}
+    hit |= {r for f in job.s.faults if f.node is not None for r in job.s.ranks_of(f.node)}
+    for e in events:
+        if e.get("type") == "failure" and not set(e.get("ranks") or []) & hit:
+            notes.append(f"failure of rank(s) {e.get('ranks')} no fault hit: {e.get('detail')}")
+    logs = "".join(p.read_text(errors="replace") for p in job.folder.glob("node*.log"))
+    fired = {e["fault"] for e in faults.ledger if e["fired"]}
+    for f in job.s.faults:
+        if f.by_trainer:
+            if f"[inject] rank {f.rank}: {f.kind}" not in logs:
+                notes.append(f"{f.describe()} (trainer-side) never fired")
+                continue
+            fired.add(f.describe())
+        dies = f.kind in ("kill", "exception") or (f.kind == "stop" and f.hold_s > 3.0)
+        if dies and f.describe() in fired and not failed.get(f.rank):
+            notes.append(f"{f.describe()}: fired, but no failure event for rank {f.rank}")
+    return notes
+
+
+def _planned(described: str) -> int:
+    """The planned step of a described fault ("kill r2@17" -> 17; "@start" -> 0)."""
+    when = described.split("@", 1)[1].split()[0]
+    return int(when) if when.isdigit() else 0
+
+
+def _layout(run_dir: Path) -> tuple[int, int] | None:
+    try:
+        import yaml
+
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return (
+            int(cfg["parallel"]["tensor_model_parallel_size"]),
+            int(cfg["training"]["num_microbatches"]),
+        )
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _wait_gone(job: Job, bound_s: float) -> list[checks.Proc]:
+    deadline = time.monotonic() + bound_s
+    while True:
+        left = job.processes()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _kill(pid: int, sig: signal.Signals) -> bool:
+    try:
+        os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _killpg(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _line(i: int, n: int, s: Schedule, r: dict) -> str:
+    why = f": {r['why']}" if r["why"] else ""
+    head = f"[chaos {i}/{n}] #{s.index} {s.describe()} -> {r['outcome']}{why} ({r['wall_s']:.0f} s)"
+    if r["violations"]:
+        head += "".join(f"\n    ! {v}" for v in r["violations"])
+        head += f"\n    repro: {s.repro()}\n    logs: {r['dir']}"
+    return head
+
+
+def table(results: list[dict]) -> str:
+    rows = [("#", "faults", "outcome", "violations", "wall s")]
+    for r in results:
+        v = r["violations"]
+        first = f"{len(v)}: {v[0][:70]}" if v else "0"
+        rows.append((str(r["index"]), r["schedule"]["describe"], r["outcome"], first,
+                     f"{r['wall_s']:.0f}"))  # fmt: skip
+    widths = [max(len(row[c]) for row in rows) for c in range(5)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        plans = [
+            generate(args.seed, i, nodes=args.nodes, nproc=args.nproc,
+                     max_steps=args.max_steps, kinds=args.kinds)
+            for i in args.indices
+        ]  # fmt: skip
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.list:
+        for s in plans:
+            print(f"#{s.index}: {s.describe()}  acceptable exits {sorted(s.acceptable_exits())}")
+        return 0
+    _prepare_data(args.demo_dir)
+    args.out.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _interrupt)  # the finally blocks kill the running job
+    results: list[dict] = []
+    try:
+        for i, s in enumerate(plans, 1):
+            results.append(run_schedule(s, args))
+            print(_line(i, len(plans), s, results[-1]), flush=True)
+            _write(args, results)
+    except KeyboardInterrupt as exc:  # the running job was killed on the way out
+        print(f"interrupted ({exc or 'SIGINT'}) after {len(results)} schedule(s)", flush=True)
+        print(table(results))
+        return 130
+    print(table(results))
+    bad = [r for r in results if r["violations"]]
+    print(f"{len(results) - len(bad)}/{len(results)} schedules ended acceptably; "
+          f"results: {args.out / 'chaos.json'}")  # fmt: skip
+    return 1 if bad else 0
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _prepare_data(demo_dir: str) -> None:
+    from megatron_mecefo.data.config import DataConfig
+    from megatron_mecefo.data.demo import ensure_demo_corpus
+
+    cfg = DataConfig()
+    ensure_demo_corpus(
+        demo_dir,
+        num_documents=cfg.demo_num_documents,
+        seed=cfg.demo_seed,
+        vocab_size=cfg.demo_vocab_size,
+    )
+
+
+def _write(args: argparse.Namespace, results: list[dict]) -> None:
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path = args.out / "chaos.json"
+    path.write_text(json.dumps({"args": meta, "results": results}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

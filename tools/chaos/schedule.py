@@ -1,0 +1,292 @@
+"""Chaos schedules: random fault plans drawn from a seed, and the outcomes each one may end with.
+
+`tools/chaos/run.py` runs them against real `mecefo-launch` jobs and checks the invariants
+(`tools/chaos/checks.py`). This module is pure: no processes, no torch. A schedule is a function
+of (seed, index, layout, kinds) only, so `--seed S --only I` reproduces schedule I alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+from megatron_mecefo.errors import ExitCode
+
+KINDS = (
+    "kill",
+    "stop",
+    "exception",
+    "agent_kill",
+    "smp_kill",
+    "coordinator_kill",
+    "node_loss",
+    "cpu_hog",
+)
+"""Every fault kind, in the order schedules cycle through them (`Fault.kind`)."""
+KIND_HELP = {
+    "kill": "SIGKILL a rank (from outside; `at: rejoin` is the trainer's own SIGKILL while it "
+    "sends or receives a rejoining replica's state, --inject kill:RANK:rejoin)",
+    "stop": "SIGSTOP a rank, SIGCONT it hold_s later (shorter or longer than the heartbeat "
+    "timeout)",
+    "exception": "the trainer raises at the start of a step (--inject exception:RANK:STEP)",
+    "agent_kill": "SIGKILL one node's mecefo-launch; its ranks are left running (on node 0 the "
+    "coordinator it started may go with it: exit 6 is then acceptable)",
+    "smp_kill": "SIGKILL one node's snapshot process, mecefo-smp (the run takes snapshots)",
+    "coordinator_kill": "SIGKILL the membership coordinator process "
+    "(python -m megatron_mecefo.failover.authority.coordinator_cli)",
+    "node_loss": "SIGKILL one simulated node's agent and every process under it at once (ranks, "
+    "spares, snapshot process; on node 0 also the coordinator it started: a head-node loss, "
+    "which every rank answers with COORDINATOR_LOST, exit 6)",
+    "cpu_hog": "one busy-loop process per core beside the job for hold_s seconds",
+}
+PASSING_TODAY = ("kill", "stop", "exception", "smp_kill", "coordinator_kill", "cpu_hog")
+"""Kinds the failover core survives at the time of writing; agent_kill and node_loss wait for the
+fix of processes left behind when an agent dies."""
+MOMENTS = ("start", "step", "rejoin")
+"""When a fault fires: right after the first generation forms (before step 0), when the job
+reaches `step`, or (trainer-side) while a rejoining replica's state is sent or received."""
+HEARTBEAT_TIMEOUT_S = 3.0
+"""mecefo-coordinator's default heartbeat timeout: short stops stay under it, long ones pass it."""
+_DYING = ("kill", "stop", "exception")
+"""Rank faults that take a replica out of the membership (a stop only past the timeout)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fault:
+    """One fault of a schedule."""
+
+    kind: str
+    """One of KINDS."""
+    at: str = "step"
+    """One of MOMENTS."""
+    step: int = -1
+    """Job step at which it fires (`at == "step"`), else -1."""
+    rank: int | None = None
+    """Global rank hit (kill, stop, exception)."""
+    node: int | None = None
+    """Simulated node hit (agent_kill, smp_kill, node_loss)."""
+    hold_s: float = 0.0
+    """stop: seconds between SIGSTOP and SIGCONT; cpu_hog: seconds the hog runs."""
+    why: str = ""
+    """The awkward moment this fault was drawn for, if any (leader, twice, before step 0, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS or self.at not in MOMENTS:
+            raise ValueError(f"bad fault {self}: kind in {KINDS}, at in {MOMENTS}")
+        if (self.at == "step") != (self.step >= 0):
+            raise ValueError(f"bad fault {self}: a step exactly when at == 'step'")
+
+    @property
+    def by_trainer(self) -> bool:
+        """Fired by the trainer itself through `--inject` (fixed before launch)."""
+        return self.kind == "exception" or self.at == "rejoin"
+
+    def inject_arg(self) -> str:
+        """The trainer's `--inject` value of a `by_trainer` fault."""
+        where = "rejoin" if self.at == "rejoin" else str(self.step)
+        return f"{self.kind}:{self.rank}:{where}"
+
+    def describe(self) -> str:
+        target = (
+            f" r{self.rank}"
+            if self.rank is not None
+            else f" n{self.node}"
+            if self.node is not None
+            else ""
+        )
+        when = {"start": "@start", "rejoin": "@rejoin"}.get(self.at, f"@{self.step}")
+        hold = f" {self.hold_s:.1f}s" if self.hold_s else ""
+        return f"{self.kind}{target}{when}{hold}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Schedule:
+    """A job layout and the faults thrown at it."""
+
+    seed: int
+    index: int
+    nodes: int
+    nproc: int
+    """Ranks per node (TP 1: one replica per rank)."""
+    max_steps: int
+    snapshot_interval: int
+    faults: list[Fault]
+    kinds: tuple[str, ...]
+    """The kinds it was drawn from (part of what reproduces it)."""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.nproc
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.nproc
+
+    def ranks_of(self, node: int) -> list[int]:
+        return list(range(node * self.nproc, (node + 1) * self.nproc))
+
+    @property
+    def recoverable(self) -> bool:
+        """Losing every replica at once is survivable (the job recovers from a snapshot)."""
+        return self.snapshot_interval > 0
+
+    def inject_args(self) -> list[str]:
+        out: list[str] = []
+        for f in self.faults:
+            if f.by_trainer:
+                out += ["--inject", f.inject_arg()]
+        return out
+
+    def agents_killed(self) -> set[int]:
+        """Nodes whose agent the schedule SIGKILLs (their exit code says nothing)."""
+        return {f.node for f in self.faults if f.kind in ("agent_kill", "node_loss")}
+
+    def acceptable_exits(self) -> dict[int, str]:
+        """Exit codes of the surviving agents this schedule may end with, and why."""
+        lost = int(ExitCode.COORDINATOR_LOST)
+        if any(f.kind == "node_loss" and f.node == 0 for f in self.faults):
+            return {lost: "the head node and its coordinator store are lost (docs/failover.md)"}
+        ok = {int(ExitCode.OK): "finished every step"}
+        if any(f.kind == "agent_kill" and f.node == 0 for f in self.faults):
+            ok[lost] = "the coordinator may go with the head node's agent (its launcher)"
+        if not self.recoverable and self.may_lose_every_replica():
+            ok[int(ExitCode.JOB_ABORTED)] = (
+                "every replica may be lost at once with no snapshot or checkpoint "
+                "(docs/failover.md: the job aborts, exit 8)"
+            )
+        return ok
+
+    def may_lose_every_replica(self) -> bool:
+        """Whether the faults can leave no replica holding the state (conservative: the union
+        of replicas that may be down covers them all; whether they overlap depends on timing)."""
+        hit: set[int] = set()
+        for f in self.faults:
+            if f.kind in _DYING and f.rank is not None and _dies(f):
+                hit.add(f.rank)
+            elif f.kind in ("node_loss", "agent_kill") and f.node is not None:
+                hit.update(self.ranks_of(f.node))  # agent_kill: if its ranks die with it
+        return hit >= set(range(self.world))
+
+    def describe(self) -> str:
+        snap = f" snap={self.snapshot_interval}" if self.snapshot_interval else ""
+        return f"{', '.join(f.describe() for f in self.faults)}{snap}"
+
+    def repro(self, tool: str = "tools/chaos/run.py") -> str:
+        return (
+            f"python {tool} --seed {self.seed} --only {self.index} --nodes {self.nodes} "
+            f"--nproc {self.nproc} --max-steps {self.max_steps} --kinds {','.join(self.kinds)}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["faults"] = [f.to_dict() for f in self.faults]
+        d["kinds"] = list(self.kinds)
+        d["describe"] = self.describe()
+        d["acceptable_exits"] = self.acceptable_exits()
+        d["repro"] = self.repro()
+        return d
+
+
+def _dies(f: Fault) -> bool:
+    return f.kind != "stop" or f.hold_s > HEARTBEAT_TIMEOUT_S
+
+
+def possible_kinds(kinds, nodes: int) -> tuple[str, ...]:
+    """The kinds a layout can take: losing or orphaning a whole node needs a second node."""
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise ValueError(f"unknown fault kind(s) {bad}; known: {', '.join(KINDS)}")
+    return tuple(k for k in kinds if nodes > 1 or k not in ("agent_kill", "node_loss"))
+
+
+def generate(seed: int, index: int, *, nodes: int, nproc: int, max_steps: int, kinds) -> Schedule:
+    """Schedule `index` of `seed`: its first fault's kind cycles through `kinds` (so N schedules
+    cover min(N, len(kinds)) kinds), then 0-2 more faults of random kinds. Awkward moments are
+    drawn on purpose: before step 0, on the leader (rank 0), twice on one rank, during a rejoin."""
+    kinds = tuple(kinds)
+    usable = possible_kinds(kinds, nodes)
+    if not usable:
+        raise ValueError(f"none of the kinds {kinds} applies to {nodes} node(s)")
+    if nodes < 1 or nproc < 1 or nodes * nproc < 2 or max_steps < 8:
+        raise ValueError("need at least 2 ranks and max_steps >= 8")
+    rng = random.Random(f"mecefo-chaos:{seed}:{index}")
+    count = rng.choice((1, 2, 2, 3))
+    chosen = [usable[index % len(usable)]] + [rng.choice(usable) for _ in range(count - 1)]
+    last = max(2, int(max_steps * 0.6))  # leave room to rejoin before the end
+    faults: list[Fault] = []
+    for kind in chosen:
+        faults.append(_draw(kind, rng, faults, nodes=nodes, nproc=nproc, last_step=last))
+    faults.sort(key=lambda f: (MOMENTS.index(f.at), f.step))
+    wants_snapshot = any(f.kind == "smp_kill" for f in faults) or rng.random() < 0.3
+    return Schedule(
+        seed=seed,
+        index=index,
+        nodes=nodes,
+        nproc=nproc,
+        max_steps=max_steps,
+        snapshot_interval=1 if wants_snapshot else 0,
+        faults=faults,
+        kinds=kinds,
+    )
+
+
+def _draw(kind: str, rng: random.Random, prior: list[Fault], *, nodes, nproc, last_step) -> Fault:
+    world = nodes * nproc
+    step = rng.randint(1, last_step)
+    if kind in ("agent_kill", "smp_kill", "node_loss"):
+        # node 0 runs the coordinator: losing it ends the job (exit 6), so it is drawn less often
+        head = nodes == 1 or rng.random() < 0.25
+        return Fault(kind=kind, step=step, node=0 if head else rng.randrange(1, nodes))
+    if kind == "coordinator_kill":
+        if rng.random() < 0.2:
+            return Fault(kind=kind, at="start", why="before step 0")
+        return Fault(kind=kind, step=step)
+    if kind == "cpu_hog":
+        return Fault(kind=kind, step=rng.randint(0, last_step // 2), hold_s=rng.uniform(8, 20))
+    rank, why = _pick_rank(rng, prior, world)
+    taken = {(f.rank, f.step) for f in prior if f.by_trainer}
+    if kind == "exception":
+        step = rng.randint(0, last_step)
+        while (rank, step) in taken:  # one injection per (rank, step)
+            step = step + 1 if step < last_step else 0
+        return Fault(kind=kind, step=step, rank=rank, why=why)
+    hold = 0.0
+    if kind == "stop":
+        short = rng.random() < 0.5
+        hold = rng.uniform(0.5, 0.6 * HEARTBEAT_TIMEOUT_S) if short else rng.uniform(4.0, 7.0)
+    others_die = any(f.kind in _DYING and _dies(f) and f.rank != rank for f in prior)
+    roll = rng.random()
+    if kind == "kill" and others_die and roll < 0.25 and (rank, -1) not in taken:
+        return Fault(kind=kind, at="rejoin", rank=rank, why=_join(why, "during a rejoin"))
+    if roll > 0.85:
+        return Fault(kind=kind, at="start", rank=rank, hold_s=hold, why=_join(why, "before step 0"))
+    same = [f.step for f in prior if f.rank == rank and f.at == "step"]
+    if same:  # the second hit on a rank comes after the first (ideally once it rejoined)
+        step = min(last_step + 4, max(same) + rng.randint(3, 8))
+    return Fault(kind=kind, step=step, rank=rank, hold_s=hold, why=why)
+
+
+def _pick_rank(rng: random.Random, prior: list[Fault], world: int) -> tuple[int, str]:
+    hit = [f.rank for f in prior if f.rank is not None]
+    roll = rng.random()
+    if hit and roll < 0.2:
+        return rng.choice(hit), "twice on one rank"
+    if roll < 0.4:
+        return 0, "the leader (rank 0)"
+    return rng.randrange(world), ""
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b
+
+
+def schedules(
+    seed: int, count: int, *, nodes: int, nproc: int, max_steps: int, kinds
+) -> list[Schedule]:
+    return [
+        generate(seed, i, nodes=nodes, nproc=nproc, max_steps=max_steps, kinds=kinds)
+        for i in range(count)
+    ]

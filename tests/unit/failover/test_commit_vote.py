@@ -134,3 +134,18 @@ def test_member_lost_before_voting_then_new_generation_aborts(tp):
     _join(threads)
     assert set(out.values()) == {False} and sorted(out) == voters
     assert {ranks[i].pending for i in voters} == {(2, "pg/2")}
+
+
+def test_a_new_generation_votes_from_attempt_zero():
+    """Vote keys are per (generation, step, attempt): after an aborted attempt the old members are
+    at attempt 1, but in the next generation everyone (a joiner included) votes on attempt 0."""
+    store, ranks = _setup(2)  # TP 2: the vote is a store counter, no group needed
+    threads, out = _vote(ranks, [False] * len(ranks))
+    _join(threads)
+    assert set(out.values()) == {False} and all(v.attempt == 1 for v in ranks)
+    for v in ranks:
+        v.membership.generation = 2
+    threads, out = _vote(ranks, [True] * len(ranks))
+    _join(threads)
+    assert set(out.values()) == {True}
+    assert store.check([keys.decision(2, 7, 0)]) and not store.check([keys.decision(2, 7, 1)])

@@ -24,6 +24,12 @@ from megatron_mecefo.control import keys
 from megatron_mecefo.control.proc import proc_state
 
 
+def _known_fields(cls, raw: bytes | str):
+    """`cls` from a JSON object, ignoring keys it does not know (a newer writer's extras)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in json.loads(raw).items() if k in names})
+
+
 @dataclasses.dataclass
 class GenerationRecord:
     """Replicas of one membership generation, as the coordinator published it."""
@@ -50,9 +56,7 @@ class GenerationRecord:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> GenerationRecord:
-        data = json.loads(raw)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return _known_fields(cls, raw)
 
     def admits(self, rank: int, replica: int, incarnation: int) -> bool:
         """The generation lists `replica`, for this incarnation of `rank`."""
@@ -87,9 +91,7 @@ class Registration:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Registration:
-        data = json.loads(raw)
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        return _known_fields(cls, raw)
 
 
 def read_registration(store, rank: int) -> Registration | None:

@@ -20,15 +20,16 @@ class ExitCode(enum.IntEnum):
     DATA_ERROR = 3
     """Missing or corrupt data, tokenizer/model mismatch."""
     DISTRIBUTED_ERROR = 4
-    """Bad distributed layout (world size vs TP x PP) or a collective failed beyond recovery."""
+    """A layout the job cannot run: world size not divisible by TP x PP, NCCL without CUDA, too
+    few GPUs, an unhealthy GPU at the preflight. Deterministic: never restarted."""
     CHECKPOINT_ERROR = 5
     """No valid checkpoint or snapshot to resume from."""
     COORDINATOR_LOST = 6
     """The job's store (served by `mecefo-coordinator`) is gone or unreachable: every rank aborts
     (no hang). A coordinator process that dies is restarted in place and does not cause this."""
     REJOIN = 7
-    """This rank left the membership (fenced, or its replica lost a TP peer); the per-node agent
-    restarts it and it rejoins from a live peer's state."""
+    """This rank left the membership (fenced, its replica lost a TP peer, or no generation
+    admitted it in time); the per-node agent restarts it and it rejoins from a live peer's state."""
     JOB_ABORTED = 8
     """The coordinator aborted the job: too few replicas left, or no survivor holds the state."""
     PREEMPTED = 9
@@ -62,9 +63,9 @@ class DistributedSetupError(MecefoError):
 
 
 class QuorumTimeoutError(MecefoError):
-    """Survivors did not agree on a new membership in time."""
+    """No membership formed in time (a fault, not a mistake: the agent restarts the rank)."""
 
-    exit_code = ExitCode.DISTRIBUTED_ERROR
+    exit_code = ExitCode.REJOIN
 
 
 class FencedError(MecefoError):

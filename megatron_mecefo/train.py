@@ -29,18 +29,19 @@ if __name__ == "__mp_main__":  # re-imported in a multiprocessing spawn child of
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from megatron_mecefo import precheck
     from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
     from megatron_mecefo.config.loader import to_dict
-    from megatron_mecefo.testing import inject
     from megatron_mecefo.training.session import StaticRun, run_session
 
     cfg = load_run_config(args)
-    cfg = resolve_global_batch(cfg, world_size_from_env(cfg))  # fixed global batch, if set
-    if args.dry_run:
-        world = os.environ.get("MECEFO_DRY_RUN_WORLD")  # the launcher's one-process check
-        inject.specs_of(args.inject, args.failures, cfg, int(world) if world else None)
+    if args.dry_run:  # every check that needs no start-up (precheck.py), then the config
+        world = os.environ.get("WORLD_SIZE") or os.environ.get("MECEFO_DRY_RUN_WORLD")
+        cfg = precheck.check(cfg, args, world_size=int(world) if world else None)
+        cfg = resolve_global_batch(cfg, world_size_from_env(cfg))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return ExitCode.OK
+    cfg = resolve_global_batch(cfg, world_size_from_env(cfg))  # fixed global batch, if set
     if os.environ.get(COORDINATOR_ENV):
         control, hooks = _failover_control(cfg, args)
         return run_session(cfg, control, hooks)
@@ -81,9 +82,10 @@ def _failover_control(cfg, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_mecefo.control.proc import die_with_parent
+    from megatron_mecefo.control.proc import die_with_parent, quiet_library_warnings
     from megatron_mecefo.metrics.rank_log import redirect_rank_output
 
+    quiet_library_warnings(os.environ)  # before megatron is imported
     # whatever this process forks (megatron's async checkpoint writers) dies with it, even when
     # it is SIGKILLed: no writer outlives its trainer holding files and pipes open
     os.register_at_fork(after_in_child=die_with_parent)

@@ -20,6 +20,9 @@ if __name__ == "__mp_main__":  # re-imported in a spawn child of the trainer thi
 
 
 def main() -> int:
+    from megatron_mecefo.control.proc import quiet_library_warnings
+
+    quiet_library_warnings(os.environ)
     import torch  # noqa: F401 - the point of a spare is to have paid for these imports
 
     import megatron_mecefo.failover.trainer.manager  # noqa: F401

@@ -35,14 +35,16 @@ if [ -f "${stamp}" ] && [ "$(cat "${stamp}")" = "${want}" ]; then
   echo "[install] up to date (${VENV})"
   exit 0
 fi
-pip_args=(--disable-pip-version-check --quiet)
+pip_args=(--disable-pip-version-check --quiet --quiet) # errors only; MECEFO_VERBOSE=1: all
+if [ "${MECEFO_VERBOSE:-0}" = 1 ]; then pip_args=(--disable-pip-version-check); fi
 torch_source=()
 if [ -n "${MECEFO_TORCH_INDEX}" ]; then
   torch_source=(--index-url "${MECEFO_TORCH_INDEX}" --extra-index-url https://pypi.org/simple)
 fi
 echo "[install] ${torch_pin} (CPU build, from ${MECEFO_TORCH_INDEX:-the configured index and find-links})"
 "${VENV}/bin/python" -m pip install "${pip_args[@]}" "${torch_source[@]}" "${torch_pin}"
-if ! "${VENV}/bin/python" -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
+# -W ignore: torch warns that numpy is missing (it is installed in the next step)
+if ! "${VENV}/bin/python" -W ignore -c 'import sys, torch; sys.exit(torch.version.cuda is not None)'; then
   echo "[install] error: a CUDA build of torch is installed in ${VENV}; CI wants the CPU one" >&2
   exit 1
 fi

@@ -1,24 +1,59 @@
 #!/bin/bash
 # Launch mecefo-train on this machine with failover (default) or under plain torchrun.
 #   NPROC=4 bash launch/local/run.sh --config configs/run/demo_cpu.yaml [--inject kill:2:10:5] [key=value ...]
-# All arguments go to mecefo-train. The config (and any --inject/--failures) is validated in one
-# process first, so a user mistake gives one clear error line instead of one per rank.
+# All arguments go to mecefo-train. Everything that can be known before start-up (config, layout,
+# run directory, data files, injections) is checked in one process first
+# (`python -m megatron_mecefo.precheck`), so a mistake gives one error line and a non-zero exit
+# instead of one per rank; a run that is already complete gives one line and exit 0.
 # Restart model: with MECEFO_LAUNCHER=failover (default) mecefo-launch starts the coordinator and
 # the ranks; a dead rank is restarted by the agent and rejoins from a live peer, survivors never
-# stop. With MECEFO_LAUNCHER=torchrun, a rank death ends the job (exit codes: launch/README.md).
+# stop; a deterministic error (exit 2, 3, 4, 5) ends the job. With MECEFO_LAUNCHER=torchrun, a
+# rank death ends the job (exit codes: launch/README.md). Exit 0 means the job trained to its
+# last step.
 # Simulated nodes: NNODES=2 NSPARE=1 NPROC=2 runs 2 working nodes of 2 ranks (one mecefo-launch
-# each) and 1 standby node on this machine; a lost node's ranks move to the standby.
+# each) and 1 standby node on this machine; a lost node's ranks move to the standby. The agents
+# die with this script (even on SIGKILL); its exit code is the head node's, or, when the head's
+# agent was killed by a signal, the first other node's failure.
 set -euo pipefail
 
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+default_python=python3
+if [ -x "${here}/.venv/bin/python" ]; then default_python="${here}/.venv/bin/python"; fi
 NPROC="${NPROC:-2}"
 NNODES="${NNODES:-1}"
 NSPARE="${NSPARE:-0}"
-PYTHON="${PYTHON:-python}"
+PYTHON="${PYTHON:-${default_python}}"
 MECEFO_OMP_THREADS="${MECEFO_OMP_THREADS:-1}"
 MECEFO_LAUNCHER="${MECEFO_LAUNCHER:-failover}"
 
-MECEFO_DRY_RUN_WORLD="$((NNODES * NPROC))" "${PYTHON}" -m megatron_mecefo.train --dry-run "$@" \
-  > /dev/null
+fail() {
+  echo "error: $1" >&2
+  exit 2
+}
+whole() { [[ "$2" =~ ^[0-9]+$ ]] && [ "$2" -ge "$3" ] || fail "$1 must be a whole number >= $3, got '$2'"; }
+whole NPROC "${NPROC}" 1
+whole NNODES "${NNODES}" 1
+whole NSPARE "${NSPARE}" 0
+whole MECEFO_OMP_THREADS "${MECEFO_OMP_THREADS}" 1
+case "${MECEFO_LAUNCHER}" in
+  failover | torchrun) ;;
+  *) fail "MECEFO_LAUNCHER must be failover or torchrun, got '${MECEFO_LAUNCHER}'" ;;
+esac
+if [ "${MECEFO_LAUNCHER}" = torchrun ] && [ $((NNODES + NSPARE)) -gt 1 ]; then
+  fail "NNODES and NSPARE simulate failover nodes: use them with MECEFO_LAUNCHER=failover"
+fi
+if ! "${PYTHON}" -c 'import megatron_mecefo' 2> /dev/null; then
+  fail "${PYTHON} cannot import megatron_mecefo: run 'bash scripts/install.sh' first, or set PYTHON to the interpreter that has it"
+fi
+
+precheck_rc=0
+"${PYTHON}" -m megatron_mecefo.precheck --world-size "$((NNODES * NPROC))" --nodes "${NNODES}" \
+  -- "$@" || precheck_rc=$?
+case "${precheck_rc}" in
+  0) ;;
+  10) exit 0 ;; # already complete: the precheck said so in one line
+  *) exit "${precheck_rc}" ;;
+esac
 
 export OMP_NUM_THREADS="${MECEFO_OMP_THREADS}"
 case "${MECEFO_LAUNCHER}" in
@@ -30,6 +65,7 @@ case "${MECEFO_LAUNCHER}" in
     port="$("${PYTHON}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     node_args=(--nnodes "${NNODES}" --coordinator "127.0.0.1:${port}")
     pids=()
+    export MECEFO_DIE_WITH_PARENT=1 # the agents die with this script, even on SIGKILL
     "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" --nnodes "${NNODES}" \
       --node-rank 0 --coordinator-port "${port}" -- "$@" &
     pids+=($!)
@@ -42,17 +78,25 @@ case "${MECEFO_LAUNCHER}" in
     done
     trap 'kill -TERM "${pids[@]}" 2> /dev/null || true' TERM INT
     trap 'kill -USR1 "${pids[@]}" 2> /dev/null || true' USR1
-    rc=0
-    wait "${pids[0]}" || rc=$?  # the job's outcome is the head node's
-    for pid in "${pids[@]:1}"; do wait "${pid}" || true; done
+    codes=()
+    for pid in "${pids[@]}"; do
+      rc=0
+      wait "${pid}" || rc=$?
+      codes+=("${rc}")
+    done
+    rc="${codes[0]}" # the job's outcome is the head node's...
+    if [ "${rc}" -gt 128 ]; then # ...unless its agent was killed: then the others say why
+      for other in "${codes[@]:1}"; do
+        if [ "${other}" -ne 0 ] && [ "${other}" -le 128 ]; then
+          rc="${other}"
+          break
+        fi
+      done
+    fi
     exit "${rc}"
     ;;
   torchrun)
     torchrun_args=(--standalone --nnodes 1 --nproc-per-node "${NPROC}")
     exec "${PYTHON}" -m torch.distributed.run "${torchrun_args[@]}" -m megatron_mecefo.train "$@"
-    ;;
-  *)
-    echo "error: MECEFO_LAUNCHER must be failover or torchrun, got '${MECEFO_LAUNCHER}'" >&2
-    exit 2
     ;;
 esac

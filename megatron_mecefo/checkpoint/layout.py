@@ -35,6 +35,11 @@ _STEP_DIR = re.compile(r"step_\d{8}")
 _SELF = "marker_sha256"
 
 
+def checkpoint_root(cfg: Any, run_dir: str) -> Path:
+    """The checkpoint root of a `CheckpointConfig`: `dir`, else `<run_dir>/checkpoints`."""
+    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+
+
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     """Folder of the checkpoint taken after `step` steps (i.e. resuming at step `step`)."""
     return Path(root) / f"{PREFIX}{step:08d}"

@@ -16,13 +16,10 @@ from typing import Any
 
 from megatron_mecefo.checkpoint import layout
 from megatron_mecefo.checkpoint.config import CheckpointConfig
+from megatron_mecefo.checkpoint.layout import checkpoint_root
 from megatron_mecefo.errors import CheckpointError
 from megatron_mecefo.training.hooks import TrainHook
 from megatron_mecefo.training.identity import StateIdentity, config_changes
-
-
-def checkpoint_root(cfg: CheckpointConfig, run_dir: str) -> Path:
-    return Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
 
 
 def find_resume(

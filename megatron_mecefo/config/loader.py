@@ -2,7 +2,9 @@
 
 Unknown keys and ill-typed values are `ConfigError`s naming the dotted key and what is allowed.
 A nested dataclass field may be given as a string: it names a YAML file, either a preset
-`<config_root>/<field>/<name>.yaml` (e.g. `model: tiny` -> `configs/model/tiny.yaml`) or a path.
+`<config_root>/<field>/<name>.yaml` (e.g. `model: tiny` -> `configs/model/tiny.yaml`; the
+project's own `configs/` too, so a config copied out of the repository still finds its presets)
+or a path. Unknown keys are reported before any preset is read, so a typo is named first.
 Pure Python (no torch): `sim/` uses it too.
 """
 
@@ -22,6 +24,8 @@ from megatron_mecefo.errors import ConfigError
 
 T = TypeVar("T")
 _PRESET = "__preset__"
+PROJECT_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+"""The repository's `configs/` (presets are looked up there after the config file's own root)."""
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
@@ -96,11 +100,31 @@ def load_config(
     data: dict[str, Any] = {}
     if path is not None:
         data = read_yaml(path)
+        _check_keys(cls, data, "")
         if config_root is None:
             config_root = Path(path).resolve().parent.parent
     if overrides:
-        data = _merge_overrides(cls, data, parse_dotlist(overrides), config_root)
+        over = parse_dotlist(overrides)
+        _check_keys(cls, over, "")
+        data = _merge_overrides(cls, data, over, config_root)
     return from_dict(cls, data, config_root=config_root)
+
+
+def _check_keys(cls: type, data: Any, prefix: str) -> None:
+    """Name the first unknown key anywhere in `data` (presets given by name are checked when
+    they are read)."""
+    if not isinstance(data, dict):
+        return
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - fields - {_PRESET})
+    if unknown:
+        key = prefix + str(unknown[0])
+        raise ConfigError(f"unknown config key '{key}' (allowed: {', '.join(sorted(fields))})")
+    hints = _hints(cls)
+    for name, value in data.items():
+        sub = _dataclass_in(hints.get(name))
+        if sub is not None and isinstance(value, dict):
+            _check_keys(sub, value, f"{prefix}{name}.")
 
 
 def _merge_overrides(cls: type, data: dict, over: dict, root: Any) -> dict:
@@ -180,17 +204,13 @@ def _is_union(typ: Any) -> bool:
 
 def _resolve_preset(key: str, name: str, root: Any) -> Path:
     field = key.rsplit(".", 1)[-1]
-    candidates = []
-    if root is not None:
-        candidates.append(Path(root) / field / f"{name}.yaml")
-    candidates.append(Path(name))
+    roots = [Path(r) for r in (root, PROJECT_CONFIGS) if r is not None]
+    candidates = [r / field / f"{name}.yaml" for r in roots] + [Path(name)]
     for cand in candidates:
         if cand.is_file():
             return cand
-    avail = ""
-    if root is not None and (Path(root) / field).is_dir():
-        names = sorted(p.stem for p in (Path(root) / field).glob("*.yaml"))
-        avail = f" (available presets: {', '.join(names)})"
+    names = sorted({p.stem for r in roots for p in (r / field).glob("*.yaml")})
+    avail = f" (available presets: {', '.join(names)})" if names else ""
     raise ConfigError(f"{key}: no preset or file named {name!r}{avail}")
 
 

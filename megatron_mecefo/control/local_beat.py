@@ -131,6 +131,29 @@ def make_folder(parent: str | None = None) -> Path:
     return Path(tempfile.mkdtemp(prefix=f"mecefo-beat-{os.getpid()}-", dir=parent))
 
 
+_JANITOR = """
+import os, shutil, sys, time
+parent = os.getppid()
+while os.getppid() == parent:
+    time.sleep(0.5)
+shutil.rmtree(sys.argv[1], ignore_errors=True)
+"""
+
+
+def start_janitor(folder: Path):
+    """A tiny process (no imports of ours) that removes `folder` once the process that started
+    it is gone, however it ended: a SIGKILLed agent leaves no folder in /dev/shm. It is in its
+    own session (no signal to the agent's group reaches it) and ends when it has cleaned up."""
+    import subprocess
+    import sys
+
+    return subprocess.Popen(
+        [sys.executable, "-I", "-S", "-c", _JANITOR, str(folder)],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
 def remove_orphans(parent: Path) -> list[Path]:
     """Remove the channel folders in `parent` whose agent process no longer exists."""
     removed = []

@@ -22,6 +22,22 @@ store call and every reconnect attempt of every process; the Python error that f
 each process reports, in one line. `TORCH_CPP_LOG_LEVEL=WARNING` brings those logs back."""
 
 
+VERBOSE_ENV = "MECEFO_VERBOSE"
+"""`1`: keep the libraries' import-time warnings (megatron-core's "Transformer Engine and Apex are
+not installed ..." lines, printed by every rank); by default they are silenced."""
+
+
+def quiet_library_warnings(environ: MutableMapping[str, str]) -> None:
+    """Silence megatron-core's warnings in this process unless `MECEFO_VERBOSE=1`: they say
+    which optional GPU libraries are missing (known on a CPU machine), once per rank."""
+    if environ.get(VERBOSE_ENV) == "1":
+        return
+    import warnings
+
+    for category in (UserWarning, FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"megatron(\.|$)")
+
+
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send `sig` to this process when its parent dies. Use as a Popen
     `preexec_fn` (it runs in the child) or call it in a forked child.

@@ -143,6 +143,26 @@ def prepare_data(
     )
 
 
+def check_paths(cfg: DataConfig) -> None:
+    """The files `cfg` names exist (a cheap check before start-up: no megatron import).
+
+    Raises:
+        DataError: a missing `.bin`/`.idx` or tokenizer model, or a demo folder that is a file.
+    """
+    if cfg.path is None:
+        if os.path.exists(cfg.demo_dir) and not os.path.isdir(cfg.demo_dir):
+            raise DataError(f"data.demo_dir {cfg.demo_dir} is a file, not a directory")
+        return
+    for path in (f"{cfg.path}.bin", f"{cfg.path}.idx"):
+        if not os.path.isfile(path):
+            raise DataError(
+                f"data file not found: {path} (data.path is the prefix of the .bin/.idx pair "
+                "written by tools/preprocess_data.py; leave it unset to use the demo corpus)"
+            )
+    if not os.path.isfile(cfg.tokenizer_model):
+        raise DataError(f"data.tokenizer_model not found: {cfg.tokenizer_model}")
+
+
 def build_dir(cfg: DataConfig) -> str:
     """The folder data preparation writes into: the demo corpus folder, else the index cache
     (`cache_dir`, default `index_cache/` next to the data files)."""

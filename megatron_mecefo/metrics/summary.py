@@ -134,6 +134,7 @@ def job_wide(
             **(
                 {
                     **event_counts(events),
+                    "events": len(events),
                     "events_start": events_start,
                     "events_seq": events_seq,
                 }
@@ -181,6 +182,11 @@ def check_summary(run_dir: Path) -> list[str]:
     if not isinstance(fo, dict):
         return out
     events = launch_events(run_dir, fo.get("events_start") or 0, fo.get("events_seq"))
+    if fo.get("events") is not None and len(events) != fo["events"]:
+        out.append(
+            f"failover.events = {fo['events']} but events.jsonl has {len(events)} of this "
+            "launch's events"
+        )
     expected = event_counts(events)
     for key, _ in COUNTED:
         if fo.get(key) != expected[key]:

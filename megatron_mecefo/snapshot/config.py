@@ -40,6 +40,20 @@ class SnapshotConfig:
     def enabled(self) -> bool:
         return self.interval > 0
 
+    @property
+    def parity_units(self) -> int:
+        """Parity units per stripe (0: no parity)."""
+        return {"none": 0, "xor": 1, "rs": self.rs_parity}[self.parity]
+
+    def parity_groups(self, nnodes: int) -> list[list[int]]:
+        """Consecutive node ranks in groups of `parity_group` (0 = one group); a short tail
+        joins the last group."""
+        size = nnodes if self.parity_group <= 0 else self.parity_group
+        groups = [list(range(i, min(i + size, nnodes))) for i in range(0, nnodes, size)]
+        if len(groups) > 1 and len(groups[-1]) < size:
+            groups[-2].extend(groups.pop())
+        return groups
+
 
 @dataclasses.dataclass(kw_only=True)
 class RecoveryConfig:

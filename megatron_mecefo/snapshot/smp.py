@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from megatron_mecefo.errors import SnapshotCorruptError
+from megatron_mecefo.snapshot.config import SnapshotConfig
 from megatron_mecefo.snapshot.slots import SlotPair
 
 READY_MARKER = "smp.ready"
@@ -37,12 +38,8 @@ _BLOB_HEAD = struct.Struct("<I")
 
 
 def parity_groups(nnodes: int, group: int) -> list[list[int]]:
-    """Consecutive node ranks in groups of `group` (0 = one group); a short tail joins the last."""
-    size = nnodes if group <= 0 else group
-    groups = [list(range(i, min(i + size, nnodes))) for i in range(0, nnodes, size)]
-    if len(groups) > 1 and len(groups[-1]) < size:
-        groups[-2].extend(groups.pop())
-    return groups
+    """Consecutive node ranks in groups of `group` (0 = one group): `SnapshotConfig`'s."""
+    return SnapshotConfig(parity_group=group).parity_groups(nnodes)
 
 
 # ------------------------------------------------------------------ node blob

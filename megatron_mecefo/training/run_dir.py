@@ -7,6 +7,7 @@ step, a directory this process created is removed, so no partial run dir is left
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -31,7 +32,8 @@ class RunDir:
     def __init__(self, path: str | Path, *, overwrite: bool, resuming: bool = False):
         self.path = Path(path)
         self.created = False
-        if (self.path / "metrics.jsonl").exists() and not (overwrite or resuming):
+        check_writable(self.path)
+        if occupied(self.path) and not (overwrite or resuming):
             raise ConfigError(
                 f"run_dir {self.path} already holds a run and no valid checkpoint to resume; "
                 "choose another --run-dir or pass overwrite=true to replace it"
@@ -74,6 +76,33 @@ class RunDir:
         """Remove the directory if this process created it (set-up failed before step 0)."""
         if self.created and self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def already_complete(cfg, start_step: int) -> str:
+    """The one line a rerun of a finished run prints (it changes nothing)."""
+    return (
+        f"run {cfg.run_dir} is already complete at step {start_step} "
+        f"(training.max_steps={cfg.training.max_steps}): nothing to do; raise --max-steps to "
+        "train on, or pass overwrite=true with checkpoint.resume=never to start over"
+    )
+
+
+def occupied(path: Path) -> bool:
+    """The folder holds a run's metrics (a run was started there)."""
+    return (Path(path) / "metrics.jsonl").exists()
+
+
+def check_writable(path: Path) -> None:
+    """A `ConfigError` unless `path` is a writable folder or can be created as one."""
+    path = Path(path)
+    where = path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    if not where.is_dir():
+        raise ConfigError(f"run_dir {path}: {where} is not a directory; choose another --run-dir")
+    if not os.access(where, os.W_OK | os.X_OK):
+        what = "run_dir" if where == path else f"run_dir {path}: its parent"
+        raise ConfigError(f"{what} {where} is not writable; choose another --run-dir")
 
 
 def truncate_metrics(path: Path, next_step: int) -> None:

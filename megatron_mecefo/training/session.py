@@ -117,9 +117,27 @@ class StaticRun(RunControl):
         self.world_size = world_size
         self.first = rank == 0
         self.stop_flag: StopFlag | None = None
+        self.start_step = 0
 
     def open(self, stop_flag: StopFlag) -> None:
         self.stop_flag = stop_flag
+
+    def joined(self, start_step: int) -> None:
+        self.start_step = start_step
+
+    def job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """This launch's steps, counted from the metric rows (a resumed run's file holds the
+        earlier launches' rows too)."""
+        from pathlib import Path
+
+        from megatron_mecefo.metrics.summary import job_wide
+
+        return job_wide(
+            summary,
+            Path(self.cfg.run_dir) / "metrics.jsonl",
+            start_step=self.start_step,
+            expected_microbatches=self.num_replicas * self.cfg.training.num_microbatches,
+        )
 
     def init_parallel(self, cfg):
         from megatron_mecefo.mcore.parallel import data_parallel_layout, init_parallel
@@ -157,7 +175,7 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
     from megatron_mecefo.snapshot.recovery import Recovery, agree_min_over_default_group
     from megatron_mecefo.training.engine import build_engine
     from megatron_mecefo.training.loop import train
-    from megatron_mecefo.training.run_dir import RunDir
+    from megatron_mecefo.training.run_dir import RunDir, already_complete
 
     control.open(StopFlag().install())
     ctx = control.init_parallel(cfg)
@@ -247,15 +265,6 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
     return exit_code_of(summary)
 
 
-def already_complete(cfg, start_step: int) -> str:
-    """The one line a rerun of a finished run prints (it changes nothing)."""
-    return (
-        f"run {cfg.run_dir} is already complete at step {start_step} "
-        f"(training.max_steps={cfg.training.max_steps}): nothing to do; raise --max-steps to "
-        "train on, or pass overwrite=true with checkpoint.resume=never to start over"
-    )
-
-
 def exit_code_of(summary: dict) -> ExitCode:
     """OK, or PREEMPTED when the run stopped early on request (a final checkpoint was saved)."""
     return ExitCode.OK if summary.get("stopped_at") is None else ExitCode.PREEMPTED
@@ -267,8 +276,8 @@ def print_summary(summary: dict, run_dir: str) -> None:
         f"{summary['final_loss']:.4f}",
         flush=True,
     )
-    for step, val in summary["val_losses"]:
-        print(f"  val_loss @ step {step + 1:>5}: {val:.4f}")
+    for step, val in summary["val_losses"]:  # 0-based, as the step lines and metrics.jsonl
+        print(f"  val_loss @ step {step:>5}: {val:.4f}")
     floor = summary.get("entropy_floor_nats_per_token")
     if floor is not None and summary["final_val_loss"] is not None:
         print(

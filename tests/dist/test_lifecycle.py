@@ -14,8 +14,9 @@ import uuid
 
 import pytest
 
+from megatron_mecefo.metrics.summary import check_summary
 from tests.helpers.cli import ROOT, metric_rows, run_train
-from tests.helpers.launch import launch
+from tests.helpers.launch import job_processes, launch
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -54,29 +55,8 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, demo_data_dir):
     assert [r["step"] for r in metric_rows(run_dir)] == list(range(6))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert (summary["steps"], summary["first_loss"]) == (2, metric_rows(run_dir)[4]["loss"])
+    assert summary["start_step"] == 4 and check_summary(run_dir) == []  # this launch's steps
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "mecefo-coord-*"))) <= coord_dirs
-
-
-def _job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:
-    """pid -> (parent pid, state, command line) of every live process whose environment holds
-    `mark`: every process of a job inherits it (forked and spawned writers too), whoever its
-    parent is now."""
-    found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as fh:
-                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if mark in env and state != "Z":
-            found[int(entry)] = (int(ppid), state, cmd)
-    return found
 
 
 def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 180) -> int:
@@ -87,7 +67,7 @@ def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 
     deadline = time.monotonic() + limit_s
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint writer seen"
-        procs = _job_processes(mark)
+        procs = job_processes(mark)
         spawned = any(
             "multiprocessing.spawn" in cmd and trainer in procs.get(ppid, (0, "", ""))[2]
             for ppid, _, cmd in procs.values()
@@ -103,7 +83,7 @@ def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 
             except ProcessLookupError:
                 continue
             time.sleep(0.05)
-            if _job_processes(mark).get(pid, (0, ""))[1] == "T":
+            if job_processes(mark).get(pid, (0, ""))[1] == "T":
                 return pid
         time.sleep(0.02)
 
@@ -129,14 +109,14 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path, demo_data_dir, 
 
     def signal_mid_save(proc, run_dir):
         writer = _stop_a_checkpoint_writer(mark, proc, spare if sig == signal.SIGKILL else "")
-        seen.update(_job_processes(mark))
+        seen.update(job_processes(mark))
         log_at_signal.append(len((tmp_path / "run.log").read_bytes()))
         os.kill(proc.pid, sig)
         t0 = time.monotonic()
         left = seen
         while left and time.monotonic() - t0 < bound_s:
             time.sleep(0.1)
-            left = _job_processes(mark)
+            left = job_processes(mark)
         assert not left, f"{writer=} left {time.monotonic() - t0:.0f} s after {sig!r}: {left}"
 
     res = launch(
@@ -204,8 +184,6 @@ def test_a_bad_injection_is_refused_before_launch(tmp_path, demo_data_dir, spec,
 def test_summary_of_a_resumed_run_counts_its_own_launch(tmp_path, demo_data_dir):
     """A resumed run appends to events.jsonl: the second launch's summary counts its own steps
     and failures, and agrees with the part of events.jsonl and metrics.jsonl that is its own."""
-    from megatron_mecefo.metrics.summary import check_summary
-
     common = ("checkpoint.interval=4", "logging.print_interval=0")
     first = launch(
         tmp_path, demo_data_dir, nproc=2, steps=8, inject=("kill:1:3",), overrides=common

@@ -248,3 +248,25 @@ def launch_nodes(
     if codes == [-9]:
         output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
     return LaunchResult(rc, output, run_dir, time.monotonic() - start, node_codes=codes)
+
+
+def job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:
+    """pid -> (parent pid, state, command line) of every live process whose environment holds
+    `mark`: every process of a job inherits it (forked and spawned writers too), whoever its
+    parent is now."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read().split(b"\0")
+            with open(f"/proc/{entry}/stat") as fh:
+                state, ppid = fh.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if mark in env and state != "Z":
+            found[int(entry)] = (int(ppid), state, cmd)
+    return found

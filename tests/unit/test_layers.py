@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data", "mecefo", "plan"),
     ("training",),  # the engine, the loop, the membership, the state and its identity
     ("checkpoint", "snapshot", "testing"),  # hooks on the training loop
-    ("training.session",),  # one set-up path, composing the above
+    ("training.session", "precheck"),  # one set-up path, and the check before it
     ("failover",),
     ("train", "warm_spare", "preflight"),  # entry points
 ]

@@ -30,6 +30,7 @@ from megatron_mecefo.failover.authority.coordinator_cli import (
     detector_argv,
     detector_config,
 )
+from megatron_mecefo.failover.authority.event_log import EventLog
 
 RESTART_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0)
 """Delay before the n-th consecutive restart of a coordinator that died young (< 30 s old)."""
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     post_event(
                         store,
                         "coordinator_restart",
-                        step=keys.get_int(store, keys.JOB_STEP, 0),
+                        step=job_step(store),
                         dp_rank=None,
                         detail=f"died ({how})",
                     )
@@ -142,9 +143,19 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.1)
     finally:
         _stop_child(child)
+        # a coordinator killed before it drained (or still starting when the job ended) leaves
+        # posted events unwritten: write them now (each line's `seq` prevents a duplicate)
+        EventLog(store, log=lambda m: print(m, flush=True)).close()
     if store.check([keys.ABORT]):
         code = 8
     return code
+
+
+def job_step(store) -> int:
+    """The step the job is at: the coordinator's view (JOB_STEP), or past the last committed step
+    when that is newer (no coordinator ran meanwhile)."""
+    committed = keys.get_int(store, keys.COMMITTED, -1)
+    return max(keys.get_int(store, keys.JOB_STEP, 0), committed + 1)
 
 
 def _start(cmd: list[str]) -> subprocess.Popen:

@@ -13,6 +13,7 @@ rank until the coordinator gives it a lost node. The command line and the proces
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -64,10 +65,12 @@ class Agent:
         self.beat_dir: Path | None = None  # the node-local heartbeat channel (aggregated beats)
         if os.environ.get(local_beat.AGGREGATE_ENV, "1") != "0":
             self.beat_dir = local_beat.make_folder()
+            local_beat.start_janitor(self.beat_dir)
         self.evict_seq_seen = b""  # keys.EVICT_SEQ at the last eviction check
         self.record_gen = 0  # the newest generation record written to the beat folder
         self.flag_values: dict[str, str] = {}  # ABORT / STOP reasons once read
         self.standby_logged = False
+        self.gave_up: dict[int, int] = {}  # rank -> its last exit code, when no longer restarted
         keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
         if not args.standby:
@@ -194,7 +197,19 @@ class Agent:
             if code is not None:
                 return code
             time.sleep(0.1)
+        if self.gave_up and not self._job_done():
+            rank, rc = next(iter(self.gave_up.items()))
+            code = rc if rc > 0 else int(ExitCode.FAILURE)
+            self.log(f"rank {rank} was given up and the job did not finish; exit {code}")
+            return code
         return int(ExitCode.PREEMPTED if self.preempted else ExitCode.OK)
+
+    def _job_done(self) -> bool:
+        """The leader raised DONE: the job trained to its last step (False if unreachable)."""
+        try:
+            return keys.flag_raised(self.store.get(keys.FLAGS), keys.DONE)
+        except Exception:  # noqa: BLE001 - the store is gone: nothing says the job finished
+            return False
 
     def request_stop(self, reason: str) -> None:
         """Called from the signal handler: only records it (the store is used in `_tick`)."""
@@ -236,6 +251,10 @@ class Agent:
                 continue
             if rc in restart_policy.FATAL:
                 self.log(f"rank {rank} exited with {ExitCode(rc).name}; stopping this node")
+                if rc in restart_policy.DETERMINISTIC:  # a restart would repeat it: end the job
+                    reason = f"rank {rank} exited {ExitCode(rc).name} (its error line says why)"
+                    with contextlib.suppress(Exception):
+                        keys.raise_flag(self.store, keys.ABORT, reason)
                 return rc
             self._on_death(rank, rc, done)
         for rank, (not_before, step) in list(self.restart_at.items()):
@@ -248,6 +267,7 @@ class Agent:
                 if bad is not None:
                     self.log(f"not restarting rank {rank}: its GPU is unhealthy ({bad})")
                     self.finished.add(rank)
+                    self.gave_up[rank] = int(ExitCode.FAILURE)
                     continue
                 self.incarnation[rank] += 1
                 self.log(f"restarting rank {rank} (incarnation {self.incarnation[rank]})")
@@ -324,6 +344,7 @@ class Agent:
         self.restart_at.clear()
         self.finished.clear()
         self.evicted.clear()
+        self.gave_up.clear()
 
     def _maybe_evict(self, rank: int, proc: subprocess.Popen) -> None:
         key = keys.evict(rank)
@@ -343,6 +364,7 @@ class Agent:
         if inc >= self.args.max_restarts:
             self.log(f"rank {rank} died ({how}) after {inc} restarts; not restarting it")
             self.finished.add(rank)
+            self.gave_up[rank] = rc
             return
         down_key = keys.downtime(rank, inc)
         step = keys.get_int(self.store, down_key, -1)

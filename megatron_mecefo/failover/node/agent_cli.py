@@ -21,9 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_mecefo.control.proc import ignore_stop_signal, quiet_cpp_logs
-from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.control.proc import die_with_parent, ignore_stop_signal, quiet_cpp_logs
+from megatron_mecefo.errors import ExitCode, MecefoError
 from megatron_mecefo.failover.node.agent import Agent
+
+DIE_WITH_PARENT_ENV = "MECEFO_DIE_WITH_PARENT"
+"""`1` (set by launch/local/run.sh for the agents it starts in the background): the agent stops
+when its parent dies, so a SIGKILLed launcher leaves no node training on."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -142,32 +146,40 @@ def stop_coordinator(proc: subprocess.Popen) -> None:
             then()
 
 
-def check_injections(args: argparse.Namespace) -> str | None:
-    """A bad --inject/--failures for this job's size, as one line (None: fine, or a config error
-    the trainers report themselves)."""
+def precheck_job(args: argparse.Namespace) -> tuple[int, str | None] | None:
+    """`precheck.check` for this node's part of the job: (exit code, one line) for a mistake
+    (None as the line: argparse printed it), None when fine. The run directory is checked only by
+    the head node at the start of a job (a node or standby joining a running job finds it used)."""
+    from megatron_mecefo import precheck
     from megatron_mecefo.config.cli import load_run_config
     from megatron_mecefo.config.cli import parse_args as trainer_parse_args
-    from megatron_mecefo.errors import ConfigError
-    from megatron_mecefo.testing import inject
 
     try:
         targs = trainer_parse_args(list(args.trainer_args))
-        cfg = load_run_config(targs)
-        inject.specs_of(targs.inject, targs.failures, cfg, args.nnodes * args.nproc_per_node)
-    except ConfigError as exc:
-        return str(exc)
-    except (SystemExit, Exception):  # noqa: BLE001 - reported by the trainers
-        return None
+        precheck.check(
+            load_run_config(targs),
+            targs,
+            world_size=args.nnodes * args.nproc_per_node,
+            nodes=args.nnodes,
+            run_dir=args.node_rank == 0 and not args.standby and args.coordinator is None,
+        )
+    except MecefoError as exc:
+        return int(exc.exit_code), str(exc)
+    except SystemExit as exc:  # the trainer's command line: argparse said why
+        return int(exc.code or ExitCode.CONFIG_ERROR), None
     return None
 
 
 def main(argv: list[str] | None = None) -> int:
     quiet_cpp_logs(os.environ)  # before torch loads, here and in every process started from here
+    if os.environ.pop(DIE_WITH_PARENT_ENV, "") == "1":  # a launcher that may itself be SIGKILLed
+        die_with_parent(signal.SIGTERM)  # a stop as on SIGTERM: this node's ranks go with it
     args = parse_args(argv)
-    bad = check_injections(args)
+    bad = precheck_job(args)
     if bad is not None:
-        print(f"error: {bad}", file=sys.stderr, flush=True)
-        return int(ExitCode.CONFIG_ERROR)
+        if bad[1] is not None:
+            print(f"error: {bad[1]}", file=sys.stderr, flush=True)
+        return bad[0]
     coordinator = None
     address = args.coordinator
     if address is None:

@@ -1,9 +1,11 @@
 """When the node agent restarts a rank, and when it stops the node instead.
 
-A rank exiting with a deterministic error (bad config or data, no state to load) or one that
-says the job is over (coordinator lost, job aborted) is never restarted: the node stops with its
-code. Any other death is a fault: restarted after the base delay, with an optional backoff for a
-rank that keeps dying soon after it starts. No torch import.
+A rank exiting with a deterministic error (bad config, data or layout, no state to load) or one
+that says the job is over (coordinator lost, job aborted) is never restarted: the node stops with
+its code, and a deterministic error ends the whole job (`DETERMINISTIC`: the agent raises the
+job's abort flag, so no other node trains on without it). Any other death is a fault: restarted
+after the base delay, with an optional backoff for a rank that keeps dying soon after it starts.
+No torch import.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ BACKOFF_ENV = "MECEFO_RESTART_BACKOFF"
 BACKOFF_MAX_ENV = "MECEFO_RESTART_BACKOFF_MAX_S"
 BACKOFF_RESET_ENV = "MECEFO_RESTART_BACKOFF_RESET_S"
 
-FATAL = frozenset(
+DETERMINISTIC = frozenset(
     {
         ExitCode.CONFIG_ERROR,
         ExitCode.DATA_ERROR,
+        ExitCode.DISTRIBUTED_ERROR,
         ExitCode.CHECKPOINT_ERROR,
-        ExitCode.COORDINATOR_LOST,
-        ExitCode.JOB_ABORTED,
     }
 )
+"""A mistake that a restart would only repeat: the job ends."""
+FATAL = DETERMINISTIC | {ExitCode.COORDINATOR_LOST, ExitCode.JOB_ABORTED}
 """Exit codes that stop the node (with that code) instead of a restart."""
 FINISHED = frozenset({ExitCode.OK, ExitCode.PREEMPTED})
 """Exit codes of a rank that is done: not restarted, not a failure."""

@@ -297,7 +297,7 @@ class FailoverManager(RunControl):
     def joined(self, start_step: int) -> None:
         from megatron_mecefo.training.run_dir import truncate_audit, truncate_metrics
 
-        if start_step > 0:
+        if start_step > 0 and self.incarnation > 0:  # a resumed launch: the checkpoint says it
             print(
                 f"rank {self.rank} (incarnation {self.incarnation}) rejoined at step {start_step}",
                 flush=True,
@@ -351,6 +351,8 @@ class FailoverManager(RunControl):
                 )
             return {}
         self.plane.next_step = result.step + 1
+        if self.is_leader:
+            self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and self.tp_rank == 0:
             self._log_tasks(engine, result.step)
         return {

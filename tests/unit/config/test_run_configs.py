@@ -48,9 +48,16 @@ def test_there_are_real_configs_for_1_and_4_nodes():
 
 
 @pytest.mark.parametrize("path", REAL, ids=lambda p: p.name)
-def test_real_config_dry_runs_at_its_size(path, monkeypatch):
+def test_real_config_dry_runs_at_its_size(path, monkeypatch, tmp_path):
     world = _nodes(path) * GPUS_PER_NODE
-    code, out = _dry_run(path, world, monkeypatch)
+    monkeypatch.chdir(tmp_path)  # the config's relative data paths: not there yet
+    code, _ = _dry_run(path.resolve(), world, monkeypatch)
+    assert code == ExitCode.DATA_ERROR  # the dry run checks the data files
+    data = load_config(RunConfig, path).data
+    for name in (f"{data.path}.bin", f"{data.path}.idx", data.tokenizer_model):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    code, out = _dry_run(path.resolve(), world, monkeypatch)
     assert code == ExitCode.OK
     resolved = yaml.safe_load(out)
     t, p = resolved["training"], resolved["parallel"]

@@ -103,11 +103,12 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         _report_liveness=lambda gen, flags, stop_set: None,
         evict_seq_seen=b"0",
         _hand_over=lambda: None,
+        gave_up={},
     )
     monkeypatch.setattr("megatron_mecefo.control.keys.get_int", lambda store, key, d=0: 10)
     assert Agent._tick(fake) is None
     assert spawned == [] and fake.finished == {1}, said
-    assert "GPU is unhealthy" in said[0]
+    assert "GPU is unhealthy" in said[0] and fake.gave_up == {1: 1}  # the node will not exit 0
     monkeypatch.delenv(health.HEALTH_CMD_ENV)
     fake.restart_at, fake.finished = {1: (0.0, -1)}, set()
     Agent._tick(fake)

@@ -234,3 +234,25 @@ def test_a_new_leader_writes_the_step_its_dead_predecessor_never_logged(tmp_path
     b.log_step(row(12))
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(13))
+
+
+def test_an_event_missing_from_events_jsonl_is_named(tmp_path):
+    """A coordinator_restart line the coordinator never wrote (it was killed before draining):
+    no counter covers that type, but the summary's event count does."""
+    _rows(tmp_path / "metrics.jsonl", range(3))
+    events = [{"type": "coordinator_restart"}, {"type": "coordinator_restart"}]
+    summary = job_wide(
+        {"failover": {"samples_lost": 0}},
+        tmp_path / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=8,
+        events=events,
+        events_seq=2,
+    )
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    _events(tmp_path / "events.jsonl", events)
+    assert check_summary(tmp_path) == []
+    (tmp_path / "events.jsonl").unlink()
+    _events(tmp_path / "events.jsonl", events[:1])
+    (problem,) = check_summary(tmp_path)
+    assert "failover.events = 2 but events.jsonl has 1" in problem

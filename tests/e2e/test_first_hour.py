@@ -1,0 +1,273 @@
+"""A new user's first hour, as the user meets it: the launcher and `mecefo-train` from a shell.
+
+Two rules (launch/README.md): exit 0 means the job trained to its last step; a deterministic
+error (configuration, layout, paths, permissions) is one line and a non-zero exit, caught by the
+one-process pre-check where it can be, never restarted. Plus the launcher's own edge cases: the
+project's interpreter without `PYTHON`, bad variables, a SIGKILLed launcher or head agent, a
+finished run relaunched, and the coordinator's restarts all in `events.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_mecefo.metrics.summary import check_summary
+from tests.helpers.launch import job_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The user's environment: the venv is not on PATH and PYTHON is not set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != bindir)
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
+
+
+def _args(run_dir: Path, demo_dir: str, steps: int, *extra: str) -> list[str]:
+    return [
+        "--config",
+        str(CONFIG),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        str(steps),
+        f"data.demo_dir={demo_dir}",
+        "training.eval_interval=0",
+        *extra,
+    ]
+
+
+def _run_sh(args: list[str], timeout_s: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "launch/local/run.sh", *args],
+        cwd=ROOT,
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+def _one_error_line(res: subprocess.CompletedProcess) -> str:
+    lines = [x for x in (res.stdout + res.stderr).splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stdout + res.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("env", "extra", "code", "says"),
+    [
+        ({"NPROC": "4"}, ["parallel.tensor_model_parallel_size=3"], 2, "not a multiple of tensor"),
+        ({"NPROC": "2"}, ["run_dir={tmp}/file/run"], 2, "is not a directory"),
+        ({"NPROC": "2"}, ["data.path=/nonexistent/c4", "data.tokenizer_model=/x.model"], 3, "c4"),
+        ({"NPROC": "2"}, ["snapshot.interval=1", "snapshot.parity=rs"], 2, "parity groups"),
+        ({"NPROC": "0"}, [], 2, "NPROC must be a whole number >= 1, got '0'"),
+        ({"NPROC": "abc"}, [], 2, "NPROC must be a whole number >= 1, got 'abc'"),
+        ({"NNODES": "2", "NSPARE": "-1", "NPROC": "1"}, [], 2, "NSPARE must be a whole number"),
+    ],
+    ids=["tp-does-not-divide", "run-dir-under-a-file", "data-path", "rs-on-one-node", "nproc-0",
+         "nproc-abc", "nspare-negative"],
+)  # fmt: skip
+def test_a_mistake_is_one_line_before_anything_starts(tmp_path, demo_data_dir, env, extra, code,
+                                                        says):  # fmt: skip
+    (tmp_path / "file").touch()
+    run_dir = tmp_path / "run"
+    named = [x.removeprefix("run_dir=").format(tmp=tmp_path) for x in extra if "run_dir=" in x]
+    extra = [x for x in extra if "run_dir=" not in x]
+    start = time.monotonic()
+    args = _args(Path(named[0]) if named else run_dir, demo_data_dir, 10, *extra)
+    res = _run_sh(args, timeout_s=60, **env)
+    assert res.returncode == code, res.stdout + res.stderr
+    assert says in _one_error_line(res)
+    assert time.monotonic() - start < 20  # the pre-check, not a start-up of every rank
+    assert not run_dir.exists()
+
+
+def test_an_occupied_run_dir_and_a_copied_config(tmp_path, demo_data_dir):
+    """The pre-check refuses a run directory that holds another run (one line); a config copied
+    out of the repository still finds its presets, and a typo is named, not a preset."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    res = _run_sh(_args(run_dir, demo_data_dir, 10), timeout_s=60, NPROC="2")
+    assert res.returncode == 2 and "already holds a run" in _one_error_line(res)
+    mine = tmp_path / "my.yaml"
+    mine.write_text(CONFIG.read_text())
+    dry = [sys.executable, "-m", "megatron_mecefo.train", "--config", str(mine), "--dry-run"]
+    res = subprocess.run(dry, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "num_layers" in res.stdout, res.stderr
+    mine.write_text(CONFIG.read_text() + "trainig:\n  lr: 0.1\n")
+    res = subprocess.run(dry, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "unknown config key 'trainig'" in _one_error_line(res)
+
+
+def test_a_single_process_with_an_unwritable_run_dir_is_one_line(tmp_path, demo_data_dir):
+    (tmp_path / "file").touch()
+    cmd = [sys.executable, "-m", "megatron_mecefo.train"]
+    cmd += _args(tmp_path / "file" / "run", demo_data_dir, 4)
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "is not a directory" in _one_error_line(res)
+
+
+def test_a_rank_with_a_deterministic_error_ends_the_job_and_is_never_restarted(
+    tmp_path, demo_data_dir
+):
+    """Past the pre-check (mecefo-launch started directly; NCCL on a machine without CUDA is
+    only found by the ranks): every rank exits 4, the agent restarts none and exits 4."""
+    cmd = [str(Path(sys.executable).parent / "mecefo-launch"), "--nproc-per-node", "2", "--"]
+    cmd += _args(tmp_path / "run", demo_data_dir, 10, "parallel.backend=nccl")
+    start = time.monotonic()
+    res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    out = res.stdout + res.stderr
+    assert res.returncode == 4, out
+    assert "restarting rank" not in out and "needs CUDA" in out
+    assert time.monotonic() - start < 90, out
+
+
+def test_exit_0_only_when_the_job_trained_to_its_last_step(tmp_path, demo_data_dir):
+    """The only rank dies and may not be restarted (MECEFO_MAX_RESTARTS=0): nothing trains on,
+    and the launcher must not report success."""
+    run_dir = tmp_path / "run"
+    res = _run_sh(
+        [*_args(run_dir, demo_data_dir, 30), "--inject", "kill:0:3"],
+        NPROC="1",
+        MECEFO_MAX_RESTARTS="0",
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert not (run_dir / "summary.json").exists()
+
+
+def test_first_hour_demo_rerun_and_train_on(tmp_path, demo_data_dir):
+    """From a shell without the venv on PATH: the demo trains (no library warning noise), a
+    rerun of the finished run is one line and exit 0 within seconds, and the summary names the
+    steps as the step lines do."""
+    run_dir = tmp_path / "run"
+    res = _run_sh(_args(run_dir, demo_data_dir, 4, "training.eval_interval=4"), NPROC="2")
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "UserWarning" not in out and "warnings.warn" not in out, out
+    assert "val_loss @ step     3" in out  # 0-based, as "step 3 |" and metrics.jsonl
+    assert check_summary(run_dir) == []
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    start = time.monotonic()
+    again = _run_sh(_args(run_dir, demo_data_dir, 4, "training.eval_interval=4"), NPROC="2")
+    lines = [x for x in (again.stdout + again.stderr).splitlines() if x.strip()]
+    assert again.returncode == 0 and len(lines) == 1 and "already complete" in lines[0], lines
+    assert time.monotonic() - start < 15
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def _agents(mark: bytes) -> dict[int, str]:
+    return {pid: cmd for pid, (_, _, cmd) in job_processes(mark).items() if "agent_cli" in cmd}
+
+
+@pytest.mark.parametrize("victim", ["launcher", "head-agent"])
+def test_a_killed_launcher_or_head_agent(tmp_path, demo_data_dir, victim):
+    """Two simulated nodes. SIGKILL to run.sh: no agent trains on, nothing of the job is left,
+    and no agent's beat folder stays in /dev/shm. SIGKILL to the head node's agent (and so the
+    store): the other node stops (6) and run.sh says so, not 137."""
+    mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        ["bash", "launch/local/run.sh", *_args(run_dir, demo_data_dir, 100000)],
+        cwd=ROOT,
+        env=_env(NNODES="2", NPROC="1", **dict([mark.split("=")])),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while not (run_dir / "metrics.jsonl").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        agents = _agents(mark.encode())
+        assert len(agents) == 2, agents
+        beat_dirs = [p for p in Path("/dev/shm").glob("mecefo-beat-*") if
+                     int(p.name.split("-")[2]) in agents]  # fmt: skip
+        if victim == "launcher":
+            os.kill(proc.pid, signal.SIGKILL)
+        else:
+            head = next(pid for pid, cmd in agents.items() if "--node-rank 0" in cmd)
+            os.kill(head, signal.SIGKILL)
+        rc = proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while job_processes(mark.encode()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job_processes(mark.encode()) == {}
+        assert beat_dirs and not [p for p in beat_dirs if p.exists()], beat_dirs
+        if victim == "head-agent":
+            assert rc == 6, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in job_processes(mark.encode()):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_every_coordinator_restart_reaches_events_jsonl(tmp_path, demo_data_dir):
+    """The coordinator is SIGKILLed, then its restarted successor too before it has done
+    anything: both restarts are in events.jsonl, each at the step the job had reached, and the
+    summary's event count agrees with the file."""
+    run_dir = tmp_path / "run"
+    mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
+    proc = subprocess.Popen(
+        ["bash", "launch/local/run.sh", *_args(run_dir, demo_data_dir, 60)],
+        cwd=ROOT,
+        env=_env(NPROC="2", **dict([mark.split("=")])),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+    def coordinator() -> int | None:
+        procs = job_processes(mark.encode())
+        return next((p for p, (_, _, c) in procs.items() if "coordinator_cli" in c), None)
+
+    def rows() -> int:
+        path = run_dir / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.exists() else 0
+
+    killed_at = []
+    try:
+        for target in (10, None):
+            deadline = time.monotonic() + 180
+            while (pid := coordinator()) is None or (target is not None and rows() < target):
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+                time.sleep(0.02)
+            killed_at.append(rows())
+            os.kill(pid, signal.SIGKILL)
+            time.sleep(0.5)  # the store host restarts it; the job trains on meanwhile
+        out = proc.communicate(timeout=240)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    restarts = [
+        json.loads(x)
+        for x in (run_dir / "events.jsonl").read_text().splitlines()
+        if '"coordinator_restart"' in x
+    ]
+    assert len(restarts) == 2, out
+    assert [r["step"] >= k for r, k in zip(restarts, killed_at)] == [True, True], (
+        restarts,
+        killed_at,
+    )
+    assert check_summary(run_dir) == []

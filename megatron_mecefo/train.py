@@ -41,7 +41,17 @@ def run(args: argparse.Namespace) -> int:
         cfg = resolve_global_batch(cfg, world_size_from_env(cfg))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return ExitCode.OK
-    cfg = resolve_global_batch(cfg, world_size_from_env(cfg))  # fixed global batch, if set
+    world = world_size_from_env(cfg)
+    cfg = resolve_global_batch(cfg, world)  # fixed global batch, if set
+    done = (
+        None
+        if os.environ.get(INCARNATION_ENV, "0") != "0"
+        else precheck.already_complete(cfg, world)
+    )
+    if done is not None:  # every rank reads the same files: all of them stop here
+        if os.environ.get("RANK", "0") == "0":
+            print(done, flush=True)
+        return ExitCode.OK
     if os.environ.get(COORDINATOR_ENV):
         control, hooks = _failover_control(cfg, args)
         return run_session(cfg, control, hooks)

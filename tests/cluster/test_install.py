@@ -80,7 +80,7 @@ def _fake_venv(tmp_path: Path, cuda: bool) -> tuple[Path, Path]:
     fake.write_text(
         "#!/bin/bash\n"
         f'echo "$*" >> {calls}\n'
-        'if [ "$1" = -c ]; then exit ' + ("1" if cuda else "0") + "; fi\n"
+        'case " $* " in *" -c "*) exit ' + ("1" if cuda else "0") + ";; esac\n"
         "exit 0\n"
     )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)

@@ -148,21 +148,24 @@ def stop_coordinator(proc: subprocess.Popen) -> None:
 
 def precheck_job(args: argparse.Namespace) -> tuple[int, str | None] | None:
     """`precheck.check` for this node's part of the job: (exit code, one line) for a mistake
-    (None as the line: argparse printed it), None when fine. The run directory is checked only by
-    the head node at the start of a job (a node or standby joining a running job finds it used)."""
+    (None as the line: argparse printed it, or a finished run's line was printed: exit 0), None
+    when fine. The run directory is checked only by the head node at the start of a job (a node
+    or standby joining a running job finds it used)."""
     from megatron_mecefo import precheck
+    from megatron_mecefo.config.batch import resolve_global_batch
     from megatron_mecefo.config.cli import load_run_config
     from megatron_mecefo.config.cli import parse_args as trainer_parse_args
 
+    head = args.node_rank == 0 and not args.standby and args.coordinator is None
+    world = args.nnodes * args.nproc_per_node
     try:
         targs = trainer_parse_args(list(args.trainer_args))
-        precheck.check(
-            load_run_config(targs),
-            targs,
-            world_size=args.nnodes * args.nproc_per_node,
-            nodes=args.nnodes,
-            run_dir=args.node_rank == 0 and not args.standby and args.coordinator is None,
-        )
+        cfg = load_run_config(targs)
+        done = head and precheck.already_complete(resolve_global_batch(cfg, world), world)
+        if done:  # a rerun of a finished run: one line, nothing started
+            print(done, flush=True)
+            return int(ExitCode.OK), None
+        precheck.check(cfg, targs, world_size=world, nodes=args.nnodes, run_dir=head)
     except MecefoError as exc:
         return int(exc.exit_code), str(exc)
     except SystemExit as exc:  # the trainer's command line: argparse said why

@@ -12,8 +12,10 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from megatron_mecefo.control import keys
+from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover.authority.coordinator import Coordinator
 from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
@@ -85,9 +87,26 @@ def main(argv: list[str] | None = None) -> int:
     parent = os.getppid()
     try:  # never outlive the store's host
         coord.run(lambda: stop["flag"] or os.getppid() != parent)
+    except Exception as exc:
+        if not _host_gone(parent):
+            raise  # a bug: the traceback, and the store host restarts this process
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"[coordinator] the store host is gone ({first}); stopping", file=sys.stderr)
+        return int(ExitCode.COORDINATOR_LOST)
     finally:
         coord.close()
     return 0
+
+
+def _host_gone(parent: int, wait_s: float = 1.0) -> bool:
+    """Whether the store host (this process's parent) died: its socket closes before the kernel
+    reparents its children, so a store error may come first; wait a moment for the second."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == parent:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 if __name__ == "__main__":

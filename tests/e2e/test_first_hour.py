@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_mecefo.metrics.summary import check_summary
+from tests.helpers.cli import demo_args
 from tests.helpers.launch import job_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,20 +35,6 @@ def _env(**extra: str) -> dict[str, str]:
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != bindir)
     return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _args(run_dir: Path, demo_dir: str, steps: int, *extra: str) -> list[str]:
-    return [
-        "--config",
-        str(CONFIG),
-        "--run-dir",
-        str(run_dir),
-        "--max-steps",
-        str(steps),
-        f"data.demo_dir={demo_dir}",
-        "training.eval_interval=0",
-        *extra,
-    ]
 
 
 def _run_sh(args: list[str], timeout_s: float = 240, **env: str) -> subprocess.CompletedProcess:
@@ -88,7 +75,7 @@ def test_a_mistake_is_one_line_before_anything_starts(tmp_path, demo_data_dir, e
     named = [x.removeprefix("run_dir=").format(tmp=tmp_path) for x in extra if "run_dir=" in x]
     extra = [x for x in extra if "run_dir=" not in x]
     start = time.monotonic()
-    args = _args(Path(named[0]) if named else run_dir, demo_data_dir, 10, *extra)
+    args = demo_args(Path(named[0]) if named else run_dir, demo_data_dir, 10, *extra)
     res = _run_sh(args, timeout_s=60, **env)
     assert res.returncode == code, res.stdout + res.stderr
     assert says in _one_error_line(res)
@@ -102,7 +89,7 @@ def test_an_occupied_run_dir_and_a_copied_config(tmp_path, demo_data_dir):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
-    res = _run_sh(_args(run_dir, demo_data_dir, 10), timeout_s=60, NPROC="2")
+    res = _run_sh(demo_args(run_dir, demo_data_dir, 10), timeout_s=60, NPROC="2")
     assert res.returncode == 2 and "already holds a run" in _one_error_line(res)
     mine = tmp_path / "my.yaml"
     mine.write_text(CONFIG.read_text())
@@ -117,7 +104,7 @@ def test_an_occupied_run_dir_and_a_copied_config(tmp_path, demo_data_dir):
 def test_a_single_process_with_an_unwritable_run_dir_is_one_line(tmp_path, demo_data_dir):
     (tmp_path / "file").touch()
     cmd = [sys.executable, "-m", "megatron_mecefo.train"]
-    cmd += _args(tmp_path / "file" / "run", demo_data_dir, 4)
+    cmd += demo_args(tmp_path / "file" / "run", demo_data_dir, 4)
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "is not a directory" in _one_error_line(res)
@@ -129,7 +116,7 @@ def test_a_rank_with_a_deterministic_error_ends_the_job_and_is_never_restarted(
     """Past the pre-check (mecefo-launch started directly; NCCL on a machine without CUDA is
     only found by the ranks): every rank exits 4, the agent restarts none and exits 4."""
     cmd = [str(Path(sys.executable).parent / "mecefo-launch"), "--nproc-per-node", "2", "--"]
-    cmd += _args(tmp_path / "run", demo_data_dir, 10, "parallel.backend=nccl")
+    cmd += demo_args(tmp_path / "run", demo_data_dir, 10, "parallel.backend=nccl")
     start = time.monotonic()
     res = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     out = res.stdout + res.stderr
@@ -143,7 +130,7 @@ def test_exit_0_only_when_the_job_trained_to_its_last_step(tmp_path, demo_data_d
     and the launcher must not report success."""
     run_dir = tmp_path / "run"
     res = _run_sh(
-        [*_args(run_dir, demo_data_dir, 30), "--inject", "kill:0:3"],
+        [*demo_args(run_dir, demo_data_dir, 30), "--inject", "kill:0:3"],
         NPROC="1",
         MECEFO_MAX_RESTARTS="0",
     )
@@ -157,7 +144,7 @@ def test_first_hour_demo_rerun_and_train_on(tmp_path, demo_data_dir):
     rerun of the finished run is one line and exit 0 within seconds, and the summary names the
     steps as the step lines do."""
     run_dir = tmp_path / "run"
-    res = _run_sh(_args(run_dir, demo_data_dir, 4, "training.eval_interval=4"), NPROC="2")
+    res = _run_sh(demo_args(run_dir, demo_data_dir, 4, "training.eval_interval=4"), NPROC="2")
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
     assert "UserWarning" not in out and "warnings.warn" not in out, out
@@ -165,7 +152,7 @@ def test_first_hour_demo_rerun_and_train_on(tmp_path, demo_data_dir):
     assert check_summary(run_dir) == []
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
     start = time.monotonic()
-    again = _run_sh(_args(run_dir, demo_data_dir, 4, "training.eval_interval=4"), NPROC="2")
+    again = _run_sh(demo_args(run_dir, demo_data_dir, 4, "training.eval_interval=4"), NPROC="2")
     lines = [x for x in (again.stdout + again.stderr).splitlines() if x.strip()]
     assert again.returncode == 0 and len(lines) == 1 and "already complete" in lines[0], lines
     assert time.monotonic() - start < 15
@@ -184,7 +171,7 @@ def test_a_killed_launcher_or_head_agent(tmp_path, demo_data_dir, victim):
     mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
-        ["bash", "launch/local/run.sh", *_args(run_dir, demo_data_dir, 100000)],
+        ["bash", "launch/local/run.sh", *demo_args(run_dir, demo_data_dir, 100000)],
         cwd=ROOT,
         env=_env(NNODES="2", NPROC="1", **dict([mark.split("=")])),
         stdout=subprocess.PIPE,
@@ -228,7 +215,7 @@ def test_every_coordinator_restart_reaches_events_jsonl(tmp_path, demo_data_dir)
     run_dir = tmp_path / "run"
     mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
     proc = subprocess.Popen(
-        ["bash", "launch/local/run.sh", *_args(run_dir, demo_data_dir, 60)],
+        ["bash", "launch/local/run.sh", *demo_args(run_dir, demo_data_dir, 60)],
         cwd=ROOT,
         env=_env(NPROC="2", **dict([mark.split("=")])),
         stdout=subprocess.PIPE,

@@ -12,9 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_train(run_dir, demo_dir, steps, *extra, nproc=1, timeout_s=300):
-    """`mecefo-train` for `steps` steps; returns the CompletedProcess (output captured)."""
-    args = [
+def demo_args(run_dir, demo_dir, steps, *extra) -> list[str]:
+    """`mecefo-train` arguments of the tiny demo job (paths relative to the repository)."""
+    return [
         "--config",
         "configs/run/demo_cpu.yaml",
         "--run-dir",
@@ -26,6 +26,11 @@ def run_train(run_dir, demo_dir, steps, *extra, nproc=1, timeout_s=300):
         "logging.print_interval=0",
         *extra,
     ]
+
+
+def run_train(run_dir, demo_dir, steps, *extra, nproc=1, timeout_s=300):
+    """`mecefo-train` for `steps` steps; returns the CompletedProcess (output captured)."""
+    args = demo_args(run_dir, demo_dir, steps, *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable)
     if nproc == 1:
         cmd = [sys.executable, "-m", "megatron_mecefo.train", *args]

@@ -22,7 +22,7 @@ from megatron_mecefo.mcore.config import ParallelConfig
 @dataclasses.dataclass
 class ParallelContext:
     """This process's place in the job: the static TP layout. Who trains alongside it (the DP
-    membership) is `failover.membership.Membership`, which can change during a run."""
+    membership) is `training.membership.Membership`, which can change during a run."""
 
     rank: int
     world_size: int

@@ -36,7 +36,7 @@ LATENCIES = (
 )
 """Summary lists (failover.<key>) of the `latency_ms` of each event of a type, in event order.
 `full_strength_ms`: from a node's failure until every rank of it is back on a standby
-(`failover/spares.py`); its max and median are `full_strength_ms_max` / `_median`."""
+(`failover/authority/spare_pool.py`); its max and median are `full_strength_ms_max` / `_median`."""
 
 
 def read_rows(path: Path) -> list[dict]:

@@ -4,7 +4,7 @@ and SIGTERM when MECEFO_TERM_GRACE_S is set (Slurm's scancel, time limit or pree
 The signal only sets a flag; the ranks agree on the step to stop after (every rank must save the
 same final checkpoint), the loop ends there, and the process exits `PREEMPTED`. Without failover
 the agreement is a one-element all-reduce of the flag after each step; under failover it rides on
-the commit vote (`failover.manager`), so it costs nothing extra.
+the commit vote (`failover/trainer/commit.py`), so it costs nothing extra.
 """
 
 from __future__ import annotations

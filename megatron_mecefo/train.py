@@ -83,6 +83,7 @@ def _failover_control(cfg, args: argparse.Namespace):
         rank=rank,
         world_size=world,
         tp_size=cfg.parallel.tensor_model_parallel_size,
+        pp_size=cfg.parallel.pipeline_model_parallel_size,
         incarnation=incarnation,
         backend=resolve_backend(cfg.parallel),
         before_transfer=injector.at_rejoin if injector is not None else None,

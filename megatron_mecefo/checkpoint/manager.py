@@ -142,6 +142,7 @@ class CheckpointManager(TrainHook):
         *,
         max_steps: int,
         tp_size: int,
+        pp_size: int = 1,
         identity: StateIdentity | None = None,
         saves_here: Callable[[], bool] = lambda: True,
         log: Callable[[str], None] = print,
@@ -152,7 +153,7 @@ class CheckpointManager(TrainHook):
         identity, never resumed, and no pruning)."""
         self.root = checkpoint_root(cfg, run_dir)
         self.max_steps = max_steps
-        self.tp_size = tp_size
+        self.tp_size, self.pp_size = tp_size, pp_size
         self.saves_here = saves_here
         self.log = log
         self._saves = None
@@ -171,14 +172,16 @@ class CheckpointManager(TrainHook):
         if found is None:
             return 0
         folder, marker = found
-        same_tp = marker.get("tp") == self.tp_size
-        if not same_tp:
+        theirs = (marker.get("tp"), marker.get("pp", 1))
+        same_layout = theirs == (self.tp_size, self.pp_size)
+        if not same_layout:
             self.log(
-                f"checkpoint {folder.name} was written with TP={marker.get('tp')}, this run has "
-                f"TP={self.tp_size}: weights and optimizer are resharded, RNG states start fresh"
+                f"checkpoint {folder.name} was written with TP x PP = {theirs[0]} x {theirs[1]}, "
+                f"this run has {self.tp_size} x {self.pp_size}: weights and optimizer are "
+                "resharded, RNG states start fresh"
             )
         try:
-            next_step = checkpointing.load(engine, str(folder), with_rng=same_tp)
+            next_step = checkpointing.load(engine, str(folder), with_rng=same_layout)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:  # noqa: BLE001 - torch's CheckpointException is a BaseException
@@ -251,7 +254,12 @@ class CheckpointManager(TrainHook):
         if checkpointing.default_group_rank() != 0:
             return
         ident = self.identity
-        extra = {"tp": self.tp_size, "epoch_s": time.time(), "config": ident and ident.config}
+        extra = {
+            "tp": self.tp_size,
+            "pp": self.pp_size,
+            "epoch_s": time.time(),
+            "config": ident and ident.config,
+        }
         layout.write_marker(
             folder, next_step, extra, identity=ident.to_dict() if ident is not None else None
         )

@@ -46,8 +46,24 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
+        self._check_stages()
         if self.mecefo.enabled and self.mecefo.takeover_policy == "hybrid":
             self._check_accuracy_costs()
+
+    def _check_stages(self) -> None:
+        """The layers split over the pipeline stages as megatron splits them."""
+        p, layers = self.parallel, self.model.num_layers
+        pp = p.pipeline_model_parallel_size
+        first, last = p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage
+        middle = layers - (first or 0) - (last or 0)
+        stages = pp - (first is not None) - (last is not None)
+        if middle < stages or middle % stages:
+            raise ValueError(
+                f"model.num_layers ({layers}) does not split over {pp} pipeline stages: "
+                f"{middle} layers left for {stages} even stages"
+                + (f" after first={first}, last={last}" if first or last else "")
+                + "; set parallel.num_layers_in_first/last_pipeline_stage or another PP size"
+            )
 
     def _check_accuracy_costs(self) -> None:
         """hybrid needs a measured accuracy cost for what it may degrade with: fail at start-up,

@@ -40,7 +40,8 @@ class GenerationRecord:
     added: list[int] = dataclasses.field(default_factory=list)
     reason: str = ""
     """start | failure | join | recover."""
-    tp: int | None = None
+    replica_size: int | None = None
+    """Ranks of one replica (TP x PP)."""
     epoch_s: float = 0.0
     """When it was published."""
     failure_epoch_s: float | None = None
@@ -85,6 +86,13 @@ class Registration:
     world: int
     node: int = 0
     """The node (agent) it runs on (`keys.NODE_RANK_ENV`)."""
+    pp: int = 1
+    """Pipeline stages of its replica."""
+
+    @property
+    def replica_size(self) -> int:
+        """Ranks of its replica (TP x PP)."""
+        return self.tp * self.pp
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -27,13 +27,18 @@ def _sharded_state(engine: Any, next_step: int, *, is_loading: bool, with_rng: b
         "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
         "next_step": next_step,
     }
-    if with_rng:
+    if with_rng:  # one RNG state per (PP stage, TP rank); without PP the earlier (TP,) shape
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        pp, pp_rank = (
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_rank(),
+        )
+        shape, offset = ((tp,), (tp_rank,)) if pp == 1 else ((pp, tp), (pp_rank, tp_rank))
         state["rng"] = ShardedObject(
             "rng_state",
             rng_states(),
-            (tp,),
-            (tp_rank,),
+            shape,
+            offset,
             replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
         )
     return state

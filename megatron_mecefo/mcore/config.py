@@ -87,7 +87,15 @@ class ParallelConfig:
     tensor_model_parallel_size: int = 1
     """TP degree."""
     pipeline_model_parallel_size: int = 1
-    """PP degree (only 1 is supported by the trainer for now)."""
+    """PP degree: each replica is a pipeline of this many stages (megatron's 1F1B schedule);
+    `model.num_layers` must divide by it (or see the two fields below)."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Layers of the first stage when it holds fewer than the others (it also holds the
+    embedding); null: an even split. Llama 3 405B: 126 layers on 16 stages, 7 + 14 x 8 + 7."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Layers of the last stage (it also holds the output layer and the loss); null: even."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Model chunks per stage for megatron's interleaved schedule: not supported (null only)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto = nccl with CUDA, gloo without."""
     timeout_s: float = 120.0
@@ -96,10 +104,22 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.tensor_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size must be >= 1")
-        if self.pipeline_model_parallel_size != 1:
+        if self.pipeline_model_parallel_size < 1:
+            raise ValueError("pipeline_model_parallel_size must be >= 1")
+        if self.virtual_pipeline_model_parallel_size is not None:
             raise ValueError(
-                "pipeline_model_parallel_size > 1 is not supported yet: MeCeFO's takeover plan and "
-                "gradient reduction assume one pipeline stage; use tensor parallelism instead"
+                "virtual_pipeline_model_parallel_size (megatron's interleaved schedule) is not "
+                "supported: it needs every step's micro-batch count per rank to be >= PP with a "
+                "remainder of 0 or >= PP, and takeover plans give ranks between M and 2M "
+                "micro-batches; the trainer also holds one model chunk per rank (README, "
+                "Pipeline parallelism)"
             )
+        uneven = (self.num_layers_in_first_pipeline_stage, self.num_layers_in_last_pipeline_stage)
+        if any(n is not None for n in uneven) and self.pipeline_model_parallel_size < 3:
+            raise ValueError(
+                "num_layers_in_first/last_pipeline_stage need pipeline_model_parallel_size >= 3"
+            )
+        if any(n is not None and n < 1 for n in uneven):
+            raise ValueError("num_layers_in_first/last_pipeline_stage must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")

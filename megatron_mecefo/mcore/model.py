@@ -39,8 +39,11 @@ def resolve_spec(spec: str) -> str:
     return spec
 
 
-def build_transformer_config(cfg: ModelConfig, *, tp_size: int, bf16: bool):
-    """The megatron `TransformerConfig` for `cfg`."""
+def build_transformer_config(
+    cfg: ModelConfig, *, tp_size: int, bf16: bool, pp_size: int = 1, stages: tuple = (None, None)
+):
+    """The megatron `TransformerConfig` for `cfg` (`stages`: layers of the first and last
+    pipeline stage when they differ from an even split)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -63,6 +66,9 @@ def build_transformer_config(cfg: ModelConfig, *, tp_size: int, bf16: bool):
         attention_dropout=cfg.attention_dropout,
         init_method_std=cfg.init_method_std,
         tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        num_layers_in_first_pipeline_stage=stages[0],
+        num_layers_in_last_pipeline_stage=stages[1],
         use_cpu_initialization=True,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -71,8 +77,19 @@ def build_transformer_config(cfg: ModelConfig, *, tp_size: int, bf16: bool):
     )
 
 
-def build_gpt_model(cfg: ModelConfig, *, tp_size: int = 1, bf16: bool = False):
-    """Build the GPTModel (un-wrapped). Returns `(model, transformer_config, spec_name)`."""
+def build_gpt_model(
+    cfg: ModelConfig,
+    *,
+    tp_size: int = 1,
+    bf16: bool = False,
+    pp_size: int = 1,
+    stages: tuple = (None, None),
+    seed: int = 0,
+):
+    """Build this rank's GPTModel (its pipeline stage, un-wrapped), initialised the same whatever
+    the TP x PP layout (`init_layout_independent`). Returns `(model, transformer_config,
+    spec_name)`."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -80,7 +97,7 @@ def build_gpt_model(cfg: ModelConfig, *, tp_size: int = 1, bf16: bool = False):
     )
 
     spec_name = resolve_spec(cfg.spec)
-    tcfg = build_transformer_config(cfg, tp_size=tp_size, bf16=bf16)
+    tcfg = build_transformer_config(cfg, tp_size=tp_size, bf16=bf16, pp_size=pp_size, stages=stages)
     if spec_name == "te":
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
@@ -95,17 +112,69 @@ def build_gpt_model(cfg: ModelConfig, *, tp_size: int = 1, bf16: bool = False):
         transformer_layer_spec=layer_spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
-        pre_process=True,
-        post_process=True,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
+    )
+    init_layout_independent(
+        model, cfg, seed, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size
     )
     if bf16:
         from megatron.core.transformer.module import Float16Module
 
         model = Float16Module(tcfg, model)
     return model, tcfg, spec_name
+
+
+_OUTPUT_PROJECTIONS = (".linear_proj.weight", ".linear_fc2.weight")
+_NORMS = ("layernorm.weight", "layer_norm_weight", "final_layernorm.weight")
+
+
+def init_layout_independent(model, cfg: ModelConfig, seed: int, *, tp_rank: int, tp_size: int):
+    """Re-initialise every parameter from (seed, its name in the whole model), as megatron's
+    CPU initialisation would (normal(0, std); output projections std / sqrt(2 x layers); norms
+    1), so that any TP x PP layout starts from the same weights: a pipeline stage's layers are
+    named by their global index, and a TP shard is its slice of the full tensor. Megatron's own
+    initialisation draws from one generator in construction order, so a later stage would start
+    its layers where the first stage did (and differ from the unpipelined model)."""
+    import hashlib
+    import math
+
+    layers = getattr(getattr(model, "decoder", None), "layers", [])
+    offset = layers[0].layer_number - 1 if len(layers) else 0
+    std = cfg.init_method_std
+    for name, param in model.named_parameters():
+        global_name = _global_name(name, offset)
+        if global_name.endswith(_NORMS):
+            value = torch.ones(param.shape)
+        else:
+            full = list(param.shape)
+            dim = getattr(param, "partition_dim", -1) if getattr(param, "tensor_model_parallel",
+                                                                  False) else -1  # fmt: skip
+            if dim >= 0:
+                full[dim] *= tp_size
+            digest = hashlib.sha256(f"{seed}/{global_name}".encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+            scale = std / math.sqrt(2.0 * cfg.num_layers) if name.endswith(
+                _OUTPUT_PROJECTIONS
+            ) else std  # fmt: skip
+            value = torch.empty(full).normal_(0.0, scale, generator=gen)
+            if dim >= 0:  # this rank's slice, as megatron's CPU init takes it (with its stride)
+                stride = getattr(param, "partition_stride", 1)
+                pieces = value.split(full[dim] // tp_size // stride, dim=dim)
+                value = torch.cat(pieces[tp_rank::tp_size], dim=dim)
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    """`decoder.layers.<local>.rest` -> `decoder.layers.<global>.rest`."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "decoder" and parts[1] == "layers":
+        parts[2] = str(int(parts[2]) + layer_offset)
+    return ".".join(parts)
 
 
 def preload_megatron() -> None:

@@ -21,8 +21,9 @@ from megatron_mecefo.mcore.config import ParallelConfig
 
 @dataclasses.dataclass
 class ParallelContext:
-    """This process's place in the job: the static TP layout. Who trains alongside it (the DP
-    membership) is `training.membership.Membership`, which can change during a run."""
+    """This process's place in the job: the static TP x PP layout of its replica. Who trains
+    alongside it (the DP membership) is `training.membership.Membership`, which can change during
+    a run."""
 
     rank: int
     world_size: int
@@ -32,10 +33,25 @@ class ParallelContext:
     device: torch.device
     tp_group: dist.ProcessGroup
     on_cpu: bool
+    pp_rank: int = 0
+    pp_size: int = 1
+    pp_group: dist.ProcessGroup | None = None
+    """This replica's pipeline group (all its stages at this TP rank); None without PP."""
+    pp_last_rank: int = 0
+    """Global rank of the last stage in `pp_group` (where the loss is computed)."""
 
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks of one replica (TP x PP)."""
+        return self.tp_size * self.pp_size
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     def barrier(self) -> None:
         dist.barrier()
@@ -91,6 +107,10 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
         device=device,
         tp_group=ps.get_tensor_model_parallel_group(),
         on_cpu=on_cpu,
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=pp,
+        pp_group=ps.get_pipeline_model_parallel_group() if pp > 1 else None,
+        pp_last_rank=ps.get_pipeline_model_parallel_last_rank() if pp > 1 else 0,
     )
 
 

@@ -53,7 +53,8 @@ class LayerHooks:
     """Degraded-mode state of one TransformerLayer (attached as `layer.mecefo_hooks`)."""
 
     layer_index: int
-    """Position among the model's transformer layers (seeds the randomized SVD)."""
+    """Position among the whole model's transformer layers, on any pipeline stage (seeds the
+    randomized SVD)."""
     original_forward: Callable
     """The layer's bound `forward` before installation."""
     installed: DegradedTechniques
@@ -255,11 +256,8 @@ class DegradedModeController:
         technique 1 is active (empty when it is switched off or nothing is installed)."""
         if not self._cfg.skip_attention_backward:
             return frozenset()
-        return frozenset(
-            i
-            for i, (_, layer) in enumerate(self._layers)
-            if getattr(layer, _HOOKS_ATTR).skips_attention
-        )
+        hooks = [getattr(layer, _HOOKS_ATTR) for _, layer in self._layers]
+        return frozenset(h.layer_index for h in hooks if h.skips_attention)
 
     def is_masked_param(self, name: str) -> bool:
         """Whether the trainer averages this parameter's grad over exact replicas only.
@@ -288,7 +286,8 @@ class DegradedModeController:
         return skips
 
     def singular_vectors(self, layer_index: int) -> tuple[Tensor | None, Tensor | None]:
-        """Cached (V1, V2) of a layer (None before its first degraded forward or when off)."""
+        """Cached (V1, V2) of this stage's `layer_index`-th layer (None before its first degraded
+        forward or when off)."""
         hooks = getattr(self._layers[layer_index][1], _HOOKS_ATTR)
         v1 = hooks.v1_cache.vectors if hooks.v1_cache else None
         v2 = hooks.v2_cache.vectors if hooks.v2_cache else None
@@ -364,12 +363,15 @@ def install_degraded_mode(model: torch.nn.Module, cfg: MecefoConfig) -> Degraded
     layers = find_transformer_layers(model)
     if not layers:
         raise ValueError("install_degraded_mode: no megatron TransformerLayer found in the model")
+    # a pipeline stage holds some of the layers: index them as in the whole model
+    first = getattr(layers[0][1], "layer_number", 1) - 1
+    total = getattr(getattr(layers[0][1], "config", None), "num_layers", None) or len(layers)
     try:
-        skip_layers = cfg.skip_layer_indices(len(layers))
+        skip_layers = cfg.skip_layer_indices(total)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     functional_ffn = cfg.recompute_ffn or cfg.lowrank_ffn_grad
-    for index, (name, layer) in enumerate(layers):
+    for index, (name, layer) in enumerate(layers, start=first):
         if hasattr(layer, _HOOKS_ATTR):
             raise ValueError(f"degraded-mode hooks are already installed on {name}")
         weights = resolve_ffn_weights(layer) if functional_ffn else None

@@ -17,6 +17,7 @@ from megatron_mecefo.errors import ConfigError, ExitCode, MecefoError
 from megatron_mecefo.sim import events as events_mod
 from megatron_mecefo.sim import paper, plots, spare
 from megatron_mecefo.sim.failures import FailureProcess
+from megatron_mecefo.sim.layout import DEFAULT_STATE_GBPS, ReplicaLayout, from_run_config
 from megatron_mecefo.sim.planner import PlanConfig, plan
 from megatron_mecefo.sim.scenario import injections_to_trace, load_scenario
 from megatron_mecefo.sim.simulator import JobConfig, simulate_all, trace_for_job
@@ -57,10 +58,18 @@ def parse_strategies(text: str, args: argparse.Namespace) -> list[StrategyConfig
         elif name == "mecefo":
             policy, _, granularity = arg.partition(":")
             kw["takeover_policy"] = policy or "hybrid"
+            layout = _layout(args)
+            kw["pipeline_stages"] = layout.pp if layout else getattr(args, "pipeline_stages", 1)
+            if policy == "stage" or granularity == "stage":
+                kw["takeover_policy"], kw["unit"], granularity = "spread", "stage", ""
             kw["neighbor_step_ratio"] = args.neighbor_step_ratio
             kw["granularity"] = granularity or getattr(args, "granularity", "microbatch")
-            kw["microbatches_per_rank"] = getattr(args, "microbatches", 8)
-            kw["micro_batch_size"] = getattr(args, "micro_batch_size", 4)
+            kw["microbatches_per_rank"] = (
+                layout.microbatches(args.gpus) if layout else getattr(args, "microbatches", 8)
+            )
+            kw["micro_batch_size"] = (
+                layout.micro_batch_size if layout else getattr(args, "micro_batch_size", 4)
+            )
         elif arg:
             raise ConfigError(f"strategy {name!r} takes no ':' argument (got {item!r})")
         if name == "snapshot":
@@ -78,6 +87,18 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("job")
     g.add_argument("--gpus", type=int, default=600_000, help="GPUs in the job (default 600000)")
     g.add_argument("--gpus-per-group", type=int, default=1000, help="GPUs per DP group (1000)")
+    g.add_argument(
+        "--run-config",
+        help="a run config (configs/run/*.yaml): GPUs per group = its TP x PP, and the spare-node "
+        "replacement time = --replace-s + one rank's state over --state-gbps",
+    )
+    g.add_argument(
+        "--state-gbps",
+        type=float,
+        default=DEFAULT_STATE_GBPS,
+        help=f"with --run-config: network bandwidth per GPU for a replacement rank's state, Gb/s "
+        f"(an assumption, default {DEFAULT_STATE_GBPS:g})",
+    )
     g.add_argument("--steps", type=int, default=10_000, help="training steps (10000)")
     g.add_argument("--step-time-s", type=float, default=64.0, help="failure-free step time (64)")
     g.add_argument("--save-s", type=float, default=60.0, help="checkpoint save time T_s (60)")
@@ -122,24 +143,42 @@ def _job_args(p: argparse.ArgumentParser) -> None:
         "(per strategy: mecefo:spread:sample)",
     )
     s.add_argument(
-        "--microbatches", type=int, default=8, help="MeCeFO micro-batches per rank M (8)"
+        "--microbatches",
+        type=int,
+        default=8,
+        help="MeCeFO micro-batches per rank M (8; with --run-config: the config's)",
+    )
+    s.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="P, pipeline stages of a group: extra work costs e / (M + P - 1) (1; with "
+        "--run-config: its PP); mecefo:stage reroutes a dead stage into the others' bubbles",
     )
     s.add_argument(
         "--micro-batch-size", type=int, default=4, help="MeCeFO samples per micro-batch b (4)"
     )
 
 
+def _layout(args) -> ReplicaLayout | None:
+    return from_run_config(args.run_config) if getattr(args, "run_config", None) else None
+
+
 def _job(args) -> JobConfig:
+    layout = _layout(args)
+    per_group, replace_s = args.gpus_per_group, args.replace_s
+    if layout is not None:
+        per_group, replace_s = layout.gpus, layout.replacement_s(args.replace_s, args.state_gbps)
     try:
         return JobConfig(
             num_gpus=args.gpus,
-            gpus_per_group=args.gpus_per_group,
+            gpus_per_group=per_group,
             num_steps=args.steps,
             step_time_s=args.step_time_s,
             checkpoint_save_s=args.save_s,
             restart_s=args.restart_s,
             spare_nodes=args.spare_nodes,
-            replace_s=args.replace_s,
+            replace_s=replace_s,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -260,9 +299,20 @@ def cmd_simulate(args) -> None:
         else ""
     )
     head = [
-        f"N = {job.num_groups} groups, T_0 = {job.t0_s / 3600:.1f} h, "
+        f"N = {job.num_groups} groups of {job.gpus_per_group} GPUs, T_0 = {job.t0_s / 3600:.1f} h, "
         f"{trace.times_s.size} failures in the trace{spares}"
     ]
+    layout = _layout(args)
+    if layout is not None:
+        head.insert(0, layout.describe(args.replace_s, args.state_gbps))
+        payload["layout"] = {
+            "model": layout.name,
+            "gpus_per_replica": layout.gpus,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "state_gb_per_rank": layout.state_bytes_per_rank() / 1e9,
+            "state_gbps": args.state_gbps,
+        }
     _emit(args, payload, head + _fmt_rows(rows))
 
 

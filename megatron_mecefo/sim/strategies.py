@@ -73,6 +73,14 @@ class StrategyConfig:
     ceil(M d / (n - d)) / M) or sample slices (ceil(M b d / (n - d)) / (M b))."""
     micro_batch_size: int = 4
     """MeCeFO at sample granularity: samples per micro-batch (b)."""
+    pipeline_stages: int = 1
+    """P: pipeline stages of a group (PP). A 1F1B step of W micro-batches takes W + P - 1
+    micro-batch slots, so extra work costs e / (M + P - 1), not e / M."""
+    unit: Literal["replica", "stage"] = "replica"
+    """MeCeFO: what a failure takes out. replica: the whole group (a pipeline) leaves and its
+    micro-batches go to the other groups (what the trainer does). stage: only the dead GPU's
+    stage is rerouted, to the same stage of the other pipelines, first into their P - 1 bubble
+    slots (ReCycle, SOSP 2024; modelled only: cross-pipeline activation traffic is free here)."""
     min_alive_fraction: float = 0.5
     """MeCeFO: below this fraction of live groups the job restarts instead of failing over."""
     failover_s: float | None = None
@@ -100,6 +108,8 @@ class StrategyConfig:
             raise ConfigError(f"neighbor_step_ratio must be >= 1, got {self.neighbor_step_ratio}")
         if self.microbatches_per_rank < 1 or self.micro_batch_size < 1:
             raise ConfigError("microbatches_per_rank and micro_batch_size must be >= 1")
+        if self.pipeline_stages < 1 or self.unit not in ("replica", "stage"):
+            raise ConfigError("pipeline_stages must be >= 1 and unit 'replica' or 'stage'")
         if self.granularity not in ("microbatch", "sample"):
             raise ConfigError(
                 f"granularity must be 'microbatch' or 'sample', got {self.granularity!r}"
@@ -121,6 +131,8 @@ class StrategyConfig:
         if self.name in ("replication", "spare"):
             return f"{self.name} r={self.redundancy}"
         if self.name == "mecefo":
+            if self.unit == "stage":
+                return "mecefo stage"
             sliced = self.granularity == "sample" and self.takeover_policy != "neighbor"
             return f"mecefo {self.takeover_policy}" + ("/sample" if sliced else "")
         return self.name
@@ -273,20 +285,26 @@ class Mecefo(Strategy):
         return alive < self.config.min_alive_fraction * self.num_groups or alive == 0
 
     def multiplier(self) -> float:
+        """Step time over the failure-free one. In micro-batch slots of one stage, a 1F1B step
+        of W micro-batches takes W + P - 1 (P = 1: W); failure-free W = M."""
         d = self.num_dead
         if d == 0:
             return 1.0
         cfg = self.config
+        m, bubble = cfg.microbatches_per_rank, cfg.pipeline_stages - 1
+        base = m + bubble
+        if cfg.unit == "stage":  # the dead stages' slots, to the same stage of the others
+            extra = math.ceil(m * d / (self.num_groups - d))
+            return 1.0 + max(0, extra - bubble) / base
         if cfg.takeover_policy == "neighbor":
             # the next healthy group in ring order covers a whole run of j dead groups
-            return (1 + self._longest_dead_run()) * cfg.neighbor_step_ratio / 2.0
-        m = cfg.microbatches_per_rank
-        if cfg.granularity == "sample":  # the slowest survivor's extra samples
-            m *= cfg.micro_batch_size
-        extra = math.ceil(m * d / (self.num_groups - d)) / m
+            work = (1 + self._longest_dead_run()) * m * cfg.neighbor_step_ratio / 2.0
+            return (work + bubble) / base
+        units = m * (cfg.micro_batch_size if cfg.granularity == "sample" else 1)
+        extra = math.ceil(units * d / (self.num_groups - d)) / units * m  # in micro-batches
         if cfg.takeover_policy == "spread":
-            return 1.0 + extra
-        return 1.0 + extra * min(1.0, cfg.neighbor_step_ratio / 2.0)
+            return 1.0 + extra / base
+        return 1.0 + extra * min(1.0, cfg.neighbor_step_ratio / 2.0) / base
 
     def _longest_dead_run(self) -> int:
         if self.num_dead == self.num_groups:

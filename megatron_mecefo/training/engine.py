@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.data import DataBundle, MicroBatchSampler, check_vocab, prepare_data
@@ -224,7 +225,10 @@ class Engine:
                 float(sum(int(o.get("samples", mbs)) for o in outputs)),
             ],
             dtype=torch.float64,
+            device=self.ctx.device,
         )
+        if self.ctx.pp_group is not None:  # only the last stage has losses: every stage needs them
+            dist.broadcast(total, src=self.ctx.pp_last_rank, group=self.ctx.pp_group)
         if not self.membership.all_reduce(total):
             return math.nan, 0
         return float(total[0] / max(float(total[1]) / mbs, 1.0)), int(total[1])
@@ -321,7 +325,15 @@ def build_engine(
     check_vocab(data.tokenizer.vocab_size, cfg.model.vocab_size)
     seed_everything(tc.seed)
     bf16 = resolve_bf16(cfg, ctx)
-    model, tcfg, spec_name = build_gpt_model(cfg.model, tp_size=ctx.tp_size, bf16=bf16)
+    p = cfg.parallel
+    model, tcfg, spec_name = build_gpt_model(
+        cfg.model,
+        tp_size=ctx.tp_size,
+        pp_size=ctx.pp_size,
+        stages=(p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage),
+        bf16=bf16,
+        seed=tc.seed,
+    )
     if not ctx.on_cpu:
         model = model.cuda()
     controller = install_degraded_mode(model, cfg.mecefo)  # disabled: installs nothing
@@ -342,7 +354,8 @@ def build_engine(
         log(
             f"model {cfg.model.name}: {cfg.model.num_parameters() / 1e6:.2f}M params, "
             f"spec={spec_name}, {'bf16' if bf16 else 'fp32'}, "
-            f"DP={membership.num_replicas} TP={ctx.tp_size}, backend={ctx.backend}"
+            f"DP={membership.num_replicas} TP={ctx.tp_size} PP={ctx.pp_size}, "
+            f"backend={ctx.backend}"
         )
     return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer, membership)
 

@@ -76,6 +76,7 @@ class RunControl(StepControl):
             "world_size": ctx.world_size,
             "dp_size": self.num_replicas,
             "tp_size": ctx.tp_size,
+            "pp_size": ctx.pp_size,
             "backend": ctx.backend,
         }
 
@@ -210,6 +211,7 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
         cfg.run_dir,
         max_steps=cfg.training.max_steps,
         tp_size=ctx.tp_size,
+        pp_size=ctx.pp_size,
         identity=identity,
         saves_here=control.saves_checkpoints,
         log=control.logger("checkpoint"),

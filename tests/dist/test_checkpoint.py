@@ -174,3 +174,28 @@ def test_a_rollback_is_a_new_lineage_that_prune_and_auto_resume_keep_to(tmp_path
     errors = [x for x in broken.stderr.splitlines() if x.startswith("error: ")]
     assert broken.returncode == 5 and len(errors) == 1, broken.stderr[-3000:]
     assert "tried disk step 24, disk step 22" in errors[0]
+
+
+def test_a_pipeline_resumes_bit_for_bit_and_reshards_to_one_stage(tmp_path, demo_data_dir):
+    """PP 2 (two processes, one replica): an interrupted-and-resumed run equals the uninterrupted
+    one bit for bit (every stage's model, optimizer and RNG shard); the same checkpoint also
+    resumes unpipelined, resharded, on the same curve (no dropout there: a stage draws its own
+    dropout masks, so only the weights and optimizer carry over)."""
+    pp = ("parallel.pipeline_model_parallel_size=2", "training.num_microbatches=4")
+    ck = ("checkpoint.interval=4", "checkpoint.keep_latest=3", *pp)
+    straight = tmp_path / "straight"
+    assert _train(straight, demo_data_dir, 12, *pp, DROPOUT, nproc=2).returncode == 0
+    run = tmp_path / "run"
+    assert _train(run, demo_data_dir, 8, *ck, DROPOUT, nproc=2).returncode == 0
+    second = _train(run, demo_data_dir, 12, *ck, DROPOUT, nproc=2)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    assert _losses(run) == _losses(straight)
+    flat = tmp_path / "flat"
+    assert _train(flat, demo_data_dir, 8, *ck, nproc=2).returncode == 0
+    one = _train(flat, demo_data_dir, 12, "checkpoint.interval=4", "training.num_microbatches=4")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "TP x PP = 1 x 2, this run has 1 x 1" in one.stdout
+    reference = tmp_path / "reference"
+    assert _train(reference, demo_data_dir, 12, *pp, nproc=2).returncode == 0
+    assert _losses(flat)[1] == pytest.approx(_losses(reference)[1], rel=1e-5)

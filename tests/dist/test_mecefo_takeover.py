@@ -30,21 +30,24 @@ APPROX_OFF = [
 ]
 
 
-def _worker(rank, demo_dir, overrides, steps, world, window, policy_in_window, union=False):
+def _worker(
+    rank, demo_dir, overrides, steps, world, window, policy_in_window, union=False, steps_total=None
+):
     from megatron_mecefo.config.loader import load_config
     from megatron_mecefo.config.run import RunConfig
     from megatron_mecefo.plan import CostModel, make_step_plans
     from megatron_mecefo.training.engine import build_engine
 
     # Same train-sample count in every layout (the dataset index depends on it): steps x N replicas.
-    max_steps = STEPS_WINDOW * N // world
+    # `world` counts replicas (a pipelined job has more processes).
+    max_steps = (steps_total or STEPS_WINDOW) * N // world
     cfg = load_config(
         RunConfig,
         "configs/run/demo_cpu.yaml",
         [
             f"data.demo_dir={demo_dir}",
             f"training.max_steps={max_steps}",
-            f"training.lr_decay_steps={STEPS_WINDOW}",
+            f"training.lr_decay_steps={steps_total or STEPS_WINDOW}",
             "training.warmup_steps=4",
             f"training.num_microbatches={M}",
             "training.eval_microbatches=6",
@@ -222,3 +225,23 @@ def test_degraded_ffn_under_tensor_parallelism():
     for ref_loss, loss, max_rel_err in run_distributed(_tp_worker, 2, timeout_s=80):
         assert loss == pytest.approx(ref_loss, rel=1e-6)
         assert max_rel_err < 1e-5
+
+
+@pytest.mark.timeout(300)
+def test_degraded_takeover_is_the_same_on_every_pipeline_stage(demo_dir):
+    """PP=2: the covering pipeline runs the dead replica's micro-batches degraded on both stages,
+    and each stage scales its attention grads over its own DP group: the DP=2 x PP=2 job (4
+    processes) follows the DP=2 job step for step (a stage that ran a micro-batch exactly, or
+    missed the masked scale, moves off the curve)."""
+    steps, window = 12, range(2, 10)
+    args = (demo_dir, [], steps, N - 1, window, _neighbor, False, steps)
+    flat = run_distributed(_worker, N - 1, *args, timeout_s=150)
+    pp = ["parallel.pipeline_model_parallel_size=2"]
+    piped = run_distributed(_worker, 2 * (N - 1), demo_dir, pp, *args[2:], timeout_s=200)
+    # megatron's rank order: DP within a stage, then stages (ranks 0, 1: stage 0 of replicas 0, 1)
+    assert [r["degraded"] for r in piped] == [flat[0]["degraded"], flat[1]["degraded"]] * 2
+    assert flat[0]["degraded"][2] == 2 * M  # replica 0 covers the dead one, degraded
+    for r in piped:
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(flat[0]["losses"]), rtol=2e-5, atol=0
+        )

@@ -207,3 +207,18 @@ def test_a_stale_snapshot_of_another_run_is_never_resumed(tmp_path, demo_data_di
         assert "snapshot of run " in new.output and "recovered the state" not in new.output
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_pipeline_killed_whole_resumes_from_shared_memory(tmp_path, demo_data_dir, shm_root):
+    """PP 2: both stages of the only replica SIGKILLed at once; each restarted stage loads its
+    own snapshot slot, and the run continues bit for bit."""
+    pp = (*SNAP, "parallel.pipeline_model_parallel_size=2")
+    straight = launch(tmp_path, demo_data_dir, nproc=2, steps=14, overrides=pp, name="straight")
+    assert straight.returncode == 0, straight.explain()
+    res = launch(
+        tmp_path, demo_data_dir, nproc=2, steps=14, overrides=pp, inject=("kill:0:8", "kill:1:8")
+    )
+    assert res.returncode == 0, res.explain()
+    assert "every replica is lost" in res.output and "shared-memory snapshot" in res.output
+    assert res.losses() == straight.losses()
+    assert _digests(res) == _digests(straight)

@@ -183,7 +183,7 @@ def generation_record(layout: Layout) -> str:
     return GenerationRecord(
         members=list(range(layout.nodes)),
         reason="start",
-        tp=layout.ranks_per_node,
+        replica_size=layout.ranks_per_node,
         epoch_s=time.time(),
         step=0,
         incarnations={str(r): 0 for r in range(layout.ranks)},

@@ -103,6 +103,8 @@ def _sim(
     return Tool(name, title, "mecefo-sim", args, args, stdout_json=True)
 
 
+LAYOUT_STRATEGIES = STRATEGIES + ",mecefo:hybrid:sample,mecefo:stage"
+"""The 405B layout's runs also show stage-granular takeover, modelled (docs/sim.md)."""
 SPARE_STRATEGIES = STRATEGIES + ",mecefo:spread:sample,mecefo:hybrid:sample"
 """Spare-node runs also show sample-granular takeover (b = 4 samples per micro-batch, M = 8)."""
 
@@ -184,6 +186,26 @@ TOOLS = (
         SPARE_STRATEGIES,
         ("--spare-nodes", "4", "--replace-s", "120"),
     ),
+    _sim(
+        "sim_llama3_405b_layout",
+        "llama3_405b rates, 16,384 GPUs as Llama 3 405B trains (128 replicas of TP 8 x PP 16)",
+        "llama3_405b",
+        16384,
+        128,
+        2000,
+        LAYOUT_STRATEGIES,
+        ("--run-config", "configs/run/llama-405b-2048n.yaml"),
+    ),
+    _sim(
+        "sim_llama3_405b_layout_spares",
+        "llama3_405b rates, TP 8 x PP 16 replicas, 4 spare nodes (replacement from the state size)",
+        "llama3_405b",
+        16384,
+        128,
+        2000,
+        LAYOUT_STRATEGIES,
+        ("--run-config", "configs/run/llama-405b-2048n.yaml", "--spare-nodes", "4"),
+    ),
     Tool(
         "node_loss",
         "node loss, 1 standby node",
@@ -217,6 +239,13 @@ TOOLS = (
         "takeover granularity per rank",
         "tools/bench/granularity.py",
         (),  # tiny and small, 5 rounds
+        ("--models", "small", "--reps", "3"),
+    ),
+    Tool(
+        "pipeline",
+        "covering pipeline step time (PP 2)",
+        "tools/bench/pipeline.py",
+        ("--models", "tiny", "small"),
         ("--models", "small", "--reps", "3"),
     ),
 )
@@ -1346,6 +1375,40 @@ def section_granularity(ctx: ReportContext) -> list[str]:
     return out + [ctx.provenance("granularity"), ""]
 
 
+def section_pipeline(ctx: ReportContext) -> list[str]:
+    pipe = ctx.data.get("pipeline")
+    if pipe is None:
+        return [ctx.missing("pipeline"), ""]
+    args = pipe.get("args") or {}
+    out = [
+        f"A replica is a {pipe.get('stages', 2)}-stage pipeline (megatron's 1F1B schedule over "
+        f"gloo); one of n = {args.get('replicas')} replicas dead, M = {args.get('microbatches')} "
+        "micro-batches per replica: the busiest survivor's step under each policy, as one real "
+        "training step on both stages, over a normal replica's (fastest of the rounds, "
+        "scenarios interleaved). The 1F1B model is what the simulator charges: (W + P - 1) / "
+        "(M + P - 1) for W micro-batches of work, a degraded one worth "
+        f"{args.get('degraded_cost')} of an exact one.",
+        "",
+    ]
+    table = [
+        [
+            r.get("model"),
+            r.get("scenario"),
+            r.get("microbatches"),
+            r.get("degraded"),
+            _f(_scale(r.get("step_s"), 1e3), ".1f"),
+            _f(r.get("ratio"), ".3f", "x"),
+            _f(r.get("model_ratio"), ".3f", "x"),
+        ]
+        for r in pipe.get("rows") or []
+    ]
+    out += _table(
+        ["model", "policy", "micro-batches", "degraded", "step ms", "over normal", "1F1B model"],
+        table,
+    )
+    return out + [ctx.provenance("pipeline"), ""]
+
+
 SECTIONS = (
     ("Throughput drop under failures", section_throughput),
     ("Loss gap vs failure-free", section_loss_gap),
@@ -1358,6 +1421,7 @@ SECTIONS = (
     ("Step time", section_step_time),
     ("Degraded-mode step time per rank", section_degraded),
     ("Takeover granularity per rank", section_granularity),
+    ("Covering pipeline step time (PP 2)", section_pipeline),
 )
 
 

@@ -7,7 +7,7 @@ registrations and death reports (every 100 ms heartbeats, progress markers and t
 reports), takes the liveness verdicts of `failover/liveness/detector.py` (exited, silent, hung),
 and publishes a new *generation* (the alive replicas, `records.GenerationRecord`) after a short
 grace window, so simultaneous failures land in one decision. A replica is alive only if all its
-TP ranks are. Restarted replicas join the next generation once all their ranks have registered.
+TP x PP ranks are. Restarted replicas join the next generation once all their ranks have registered.
 It gives lost nodes to standbys (`spare_pool.py`) and writes `events.jsonl` (`event_log.py`).
 
 All of its state lives in the store, so a restarted coordinator `restore`s it (generation,
@@ -55,7 +55,8 @@ class Coordinator:
         self.world = world_size
         self.cfg = cfg
         self.log = log
-        self.tp: int | None = None
+        self.replica_size: int | None = None
+        """Ranks of one replica (TP x PP), from the first registration."""
         self.gen = 0
         self.members: tuple[int, ...] = ()
         self.detector = Detector(store, world_size, cfg, log=log)
@@ -90,7 +91,7 @@ class Coordinator:
 
     @property
     def num_replicas(self) -> int:
-        return self.world // (self.tp or 1)
+        return self.world // (self.replica_size or 1)
 
     @property
     def reads_heartbeats_next(self) -> bool:
@@ -99,8 +100,8 @@ class Coordinator:
         return (self.ticks + 1) % 2 == 0 or self.gen == 0
 
     def replica_ranks(self, replica: int) -> list[int]:
-        tp = self.tp or 1
-        return list(range(replica * tp, (replica + 1) * tp))
+        size = self.replica_size or 1
+        return list(range(replica * size, (replica + 1) * size))
 
     def _member_ranks(self) -> list[int]:
         return [r for rep in self.members for r in self.replica_ranks(rep)]
@@ -178,10 +179,12 @@ class Coordinator:
             if reg.incarnation != st.incarnation:
                 st.incarnation = reg.incarnation
                 st.hb_value, st.hb_changed = -1, time.monotonic()
-            if self.tp is None:
-                self.tp = reg.tp
-                if self.world % self.tp:
-                    self._abort(f"world size {self.world} is not divisible by TP {self.tp}")
+            if self.replica_size is None:
+                self.replica_size = reg.replica_size
+                if self.world % self.replica_size:
+                    self._abort(
+                        f"world size {self.world} is not divisible by TP x PP {self.replica_size}"
+                    )
 
     def _mark_replaced(self, rank: int, old: int, new: int) -> None:
         """A member rank re-registered: its old incarnation is gone even if nobody reported it
@@ -220,7 +223,7 @@ class Coordinator:
         for r, inc in at_loss.items():
             st = self.ranks[r]
             p_inc, p_step, phase = parse_progress(st.progress)
-            if r // self.tp not in self.members or st.incarnation <= inc:
+            if r // self.replica_size not in self.members or st.incarnation <= inc:
                 return False
             admitted = self._admitted_at.setdefault((r, st.incarnation), self.job_step)
             if p_inc != st.incarnation or phase == "idle" or p_step <= admitted:
@@ -228,7 +231,7 @@ class Coordinator:
         return True
 
     def _maybe_form_first_generation(self, now: float) -> None:
-        if len(self.detector.registered()) == self.world and self.tp is not None:
+        if len(self.detector.registered()) == self.world and self.replica_size is not None:
             self._publish(tuple(range(self.num_replicas)), removed=(), added=(), reason="start")
         elif now - self.started > self.cfg.start_timeout_s:
             missing = [r for r in self.ranks if self.ranks[r].incarnation < 0]
@@ -239,7 +242,7 @@ class Coordinator:
         removed: tuple[int, ...] = ()
         recovery = self._recovery_settings()
         if self.pending and now - self.first_detection >= self.cfg.grace_s:
-            dead_replicas = sorted({r // self.tp for r in self.pending})
+            dead_replicas = sorted({r // self.replica_size for r in self.pending})
             removed = tuple(r for r in dead_replicas if r in self.members)
             if removed and recovery["mode"] == "restart":  # checkpoint-restart: everyone goes
                 removed = self.members
@@ -305,7 +308,7 @@ class Coordinator:
 
     def _report_failures(self, removed: tuple[int, ...], now: float) -> None:
         detected = time.time()
-        failed_replicas = {r // self.tp for r in self.pending}
+        failed_replicas = {r // self.replica_size for r in self.pending}
         for rep in removed:
             for rank in self.replica_ranks(rep):
                 st = self.ranks[rank]
@@ -363,7 +366,7 @@ class Coordinator:
             removed=list(removed),
             added=list(added),
             reason=reason,
-            tp=self.tp,
+            replica_size=self.replica_size,
             epoch_s=time.time(),
             failure_epoch_s=failure_epoch_s,
             step=max(self.job_step, 0),
@@ -403,7 +406,7 @@ class Coordinator:
         if self.gen == 0:
             return
         record = read_generation(self.store, self.gen)
-        self.members, self.tp = tuple(record.members), int(record.tp)
+        self.members, self.replica_size = tuple(record.members), int(record.replica_size)
         listed = record.incarnations
         for rank in self._member_ranks():
             inc = int(listed.get(str(rank), self.ranks[rank].incarnation))

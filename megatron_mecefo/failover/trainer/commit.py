@@ -5,8 +5,8 @@ Per step attempt (g, step, a): members whose reduction succeeded vote; the one t
 vote sets `decision/g/step/a = commit:<next gen>` with compare-and-set; a member that failed (or
 sees g lose a member) sets `abort:<next gen>` instead. The first write wins. TP = 1 votes with one
 tiny all-reduce of the members' success flags (every member issues it, so the collective sequence
-never diverges); TP > 1 with a store counter over every rank of every member (a TP slice's
-all-reduce cannot vouch for the other slices). A requested stop rides on the decision
+never diverges); with TP x PP > 1 a store counter over every rank of every member (one position's
+all-reduce cannot vouch for the replica's other ranks). A requested stop rides on the decision
 (`commit:<gen>:stop`), so every member stops after the same step.
 """
 
@@ -32,7 +32,7 @@ class CommitVote:
         membership: Membership,
         *,
         rank: int,
-        tp: int,
+        replica_size: int,
         stop_flag: StopFlag,
         failure_wait_s: float,
         regroup_timeout_s: float,
@@ -40,7 +40,7 @@ class CommitVote:
     ):
         self.plane = plane
         self.membership = membership
-        self.rank, self.tp = rank, tp
+        self.rank, self.replica_size = rank, replica_size
         self.stop_flag = stop_flag
         self.failure_wait_s = failure_wait_s
         self.regroup_timeout_s = regroup_timeout_s
@@ -68,13 +68,13 @@ class CommitVote:
         # the writer of the decision also decides a requested stop, so every member agrees on it
         commit = f"commit:{latest}:stop" if self.stop_flag.is_set else f"commit:{latest}"
         store = self.plane.store
-        if self.tp == 1:
+        if self.replica_size == 1:
             votes = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
             if m.all_reduce(votes) and ok and int(votes.item()) == m.size:
                 verdict = store.compare_set(dkey, "", commit).decode()
         elif ok:
             count = store.add(keys.vote(g, step, a), 1)
-            if count == m.size * self.tp:
+            if count == m.size * self.replica_size:
                 verdict = store.compare_set(dkey, "", commit).decode()
             else:
                 verdict = self._await_decision(dkey, g, failed=False)

@@ -23,7 +23,7 @@ COMM_WORDS = ("gloo", "NCCL", "Connection", "Timed out")
 def wait_for_removal(store, rank: int, timeout_s: float) -> str | None:
     """Wait up to `timeout_s` for a generation without `rank`'s replica; its reason, or None.
     Raises if the coordinator is unreachable."""
-    replica = rank // read_registration(store, rank).tp
+    replica = rank // read_registration(store, rank).replica_size
     deadline = time.monotonic() + timeout_s
     while True:
         gen = keys.get_int(store, keys.GEN)

@@ -61,20 +61,25 @@ class FailoverManager(RunControl):
         rank: int,
         world_size: int,
         tp_size: int,
+        pp_size: int = 1,
         incarnation: int,
         backend: str,
         before_transfer=None,
         log=print,
     ):
-        if world_size % tp_size:
+        per_replica = tp_size * pp_size
+        if world_size % per_replica:
             raise DistributedSetupError(
-                f"world size {world_size} is not divisible by TP = {tp_size}; "
-                f"launch a multiple of {tp_size} ranks"
+                f"world size {world_size} is not divisible by TP x PP = {tp_size} x {pp_size}; "
+                f"launch a multiple of {per_replica} ranks"
             )
         self.cfg = cfg
         self.fcfg = fcfg = cfg.failover
-        self.rank, self.world, self.tp = rank, world_size, tp_size
-        self.replica, self.tp_rank = divmod(rank, tp_size)
+        self.rank, self.world, self.tp, self.pp = rank, world_size, tp_size, pp_size
+        self.replica_size = per_replica
+        """Ranks of one replica (TP x PP): a replica is alive only while all of them are."""
+        # megatron orders a replica's ranks TP fastest, then PP: position = pp_rank x TP + tp_rank
+        self.replica, self.position = divmod(rank, per_replica)
         self.incarnation = incarnation
         self.backend = backend
         self.log = log
@@ -84,7 +89,7 @@ class FailoverManager(RunControl):
         self.resume = cfg.checkpoint.resume if incarnation == 0 else "auto"
         self.plane = ControlPlane(address, fcfg.coordinator_timeout_s, incarnation=incarnation)
         self.membership = LiveMembership(
-            num_replicas=world_size // tp_size,
+            num_replicas=world_size // per_replica,
             replica=self.replica,
             members=(self.replica,),
             group=None,
@@ -95,7 +100,7 @@ class FailoverManager(RunControl):
             self.plane,
             self.membership,
             rank=rank,
-            tp=tp_size,
+            replica_size=per_replica,
             stop_flag=StopFlag(),
             failure_wait_s=fcfg.failure_wait_s,
             regroup_timeout_s=fcfg.regroup_timeout_s,
@@ -116,7 +121,7 @@ class FailoverManager(RunControl):
             self.membership,
             self.sync,
             rank=rank,
-            tp_rank=self.tp_rank,
+            position=self.position,
             backend=backend,
             group_timeout_s=cfg.parallel.timeout_s,
             regroup_timeout_s=fcfg.regroup_timeout_s,
@@ -137,8 +142,8 @@ class FailoverManager(RunControl):
 
     @property
     def is_leader(self) -> bool:
-        """Writes metrics and the summary: TP rank 0 of the lowest live replica."""
-        return self.tp_rank == 0 and self.membership.members[0] == self.replica
+        """Writes metrics and the summary: the first rank of the lowest live replica."""
+        return self.position == 0 and self.membership.members[0] == self.replica
 
     is_writer = is_leader
 
@@ -163,6 +168,7 @@ class FailoverManager(RunControl):
             pid=os.getpid(),
             host=keys.this_host(),
             tp=self.tp,
+            pp=self.pp,
             world=self.world,
             node=int(os.environ.get(keys.NODE_RANK_ENV, 0)),
         )
@@ -186,8 +192,8 @@ class FailoverManager(RunControl):
         self.plane.hb.start()
 
     def init_parallel(self, cfg):
-        """Default process group = this replica's TP ranks (on a store prefix of the replica's
-        incarnation); then megatron's groups, which see one replica (DP = 1)."""
+        """Default process group = this replica's TP x PP ranks (on a store prefix of the
+        replica's incarnation); then megatron's groups, which see one replica (DP = 1)."""
         from megatron_mecefo.mcore.parallel import init_parallel
 
         if torch.cuda.is_available():
@@ -195,13 +201,17 @@ class FailoverManager(RunControl):
         timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
         if self.backend == "nccl":  # before the first NCCL group: torch reads it at construction
             groups.apply_nccl_policy(os.environ, cfg.parallel.timeout_s)
-        if self.tp == 1:
+        if self.replica_size == 1:
             store = dist.HashStore()
         else:
             client = keys.connect(self.plane.address, self.fcfg.regroup_timeout_s)
             store = dist.PrefixStore(f"replica/{self.replica}/{self.incarnation}", client)
         dist.init_process_group(
-            self.backend, store=store, rank=self.tp_rank, world_size=self.tp, timeout=timeout
+            self.backend,
+            store=store,
+            rank=self.position,
+            world_size=self.replica_size,
+            timeout=timeout,
         )
         return init_parallel(cfg.parallel)
 
@@ -215,7 +225,7 @@ class FailoverManager(RunControl):
         return shared_preparation(
             self.cfg.data,
             self.store,
-            builder=self.tp_rank == 0,
+            builder=self.position == 0,
             rank=self.rank,
             timeout_s=self.fcfg.start_timeout_s,
             log=self.log,
@@ -273,12 +283,13 @@ class FailoverManager(RunControl):
             "world_size": self.world,
             "dp_size": self.num_replicas,
             "tp_size": self.tp,
+            "pp_size": self.pp,
             "backend": self.backend,
             "failover": True,
         }
 
     def logs_metrics(self, ctx) -> bool:
-        return self.tp_rank == 0
+        return self.position == 0
 
     def claims_run_dir(self) -> bool:
         # the first leader, whichever replica it is: a rank 0 that stalls or dies at start-up
@@ -353,7 +364,7 @@ class FailoverManager(RunControl):
         self.plane.next_step = result.step + 1
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
-        if self.fcfg.audit and self.tp_rank == 0:
+        if self.fcfg.audit and self.position == 0:
             self._log_tasks(engine, result.step)
         return {
             "generation": m.generation,

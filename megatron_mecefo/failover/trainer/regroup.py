@@ -35,7 +35,7 @@ class Regroup:
         sync: StateSync,
         *,
         rank: int,
-        tp_rank: int,
+        position: int,
         backend: str,
         group_timeout_s: float,
         regroup_timeout_s: float,
@@ -44,7 +44,7 @@ class Regroup:
         self.plane = plane
         self.membership = membership
         self.sync = sync
-        self.rank, self.tp_rank = rank, tp_rank
+        self.rank, self.position = rank, position
         self.backend = backend
         self.group_timeout_s = group_timeout_s
         self.regroup_timeout_s = regroup_timeout_s
@@ -103,7 +103,8 @@ class Regroup:
         def build() -> None:
             try:
                 client = keys.connect(self.plane.address, self.regroup_timeout_s)
-                prefix = dist.PrefixStore(f"{key}/tp{self.tp_rank}", client)
+                # one DP group per position in the replica (TP rank, PP stage)
+                prefix = dist.PrefixStore(f"{key}/tp{self.position}", client)
                 result["group"] = groups.new_group(self.backend, prefix, pos, size, timeout)
             except Exception as exc:  # noqa: BLE001 - surfaced below
                 result["error"] = exc

@@ -62,11 +62,17 @@ def test_bad_type_and_cross_field_check():
         load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["training.max_steps=abc"])
     with pytest.raises(ConfigError, match="divisible by num_attention_heads"):
         load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ["model.num_attention_heads=5"])
-    with pytest.raises(ConfigError, match="pipeline_model_parallel_size > 1 is not supported"):
+    with pytest.raises(ConfigError, match=r"num_layers \(2\) does not split over 4 pipeline"):
         load_config(
             RunConfig,
             CONFIGS / "run" / "demo_cpu.yaml",
-            ["parallel.pipeline_model_parallel_size=2"],
+            ["parallel.pipeline_model_parallel_size=4"],
+        )
+    with pytest.raises(ConfigError, match="interleaved schedule\\) is not supported"):
+        load_config(
+            RunConfig,
+            CONFIGS / "run" / "demo_cpu.yaml",
+            ["parallel.virtual_pipeline_model_parallel_size=2"],
         )
 
 

@@ -1,5 +1,6 @@
 """Real-size run configs and the fixed global batch (issue 18, item 6): every configs/run/
-llama-*-<N>n.yaml passes `mecefo-train --dry-run` at its own size (N nodes x 8 GPUs), the 1- and
+llama-*-<N>n.yaml passes `mecefo-train --dry-run` at its own size (N nodes x 8 GPUs; the Llama 3
+405B layout too: TP 8 x PP 16 on 2048 nodes), the 1- and
 4-node configs of a model train the same trajectory (same global batch and config hash, so either
 can resume the other's checkpoints), and a layout that does not divide the global batch is a
 one-line error naming the numbers. The failover presets load."""
@@ -61,7 +62,7 @@ def test_real_config_dry_runs_at_its_size(path, monkeypatch, tmp_path):
     assert code == ExitCode.OK
     resolved = yaml.safe_load(out)
     t, p = resolved["training"], resolved["parallel"]
-    dp = world // p["tensor_model_parallel_size"]
+    dp = world // (p["tensor_model_parallel_size"] * p["pipeline_model_parallel_size"])
     assert t["global_batch_size"] == t["micro_batch_size"] * t["num_microbatches"] * dp
     assert p["backend"] == "nccl" and t["precision"] == "bf16"
     assert resolved["checkpoint"]["interval"] > 0 and resolved["snapshot"]["interval"] > 0
@@ -120,3 +121,15 @@ def test_resolution_rules():
 def test_failover_presets_load(path):
     cfg = load_config(FailoverConfig, path)
     assert cfg.coordinator_timeout_s > cfg.heartbeat_interval_s
+
+
+def test_the_llama3_405b_layout_is_a_128_gpu_pipeline(monkeypatch, tmp_path):
+    cfg = load_config(RunConfig, CONFIGS / "run" / "llama-405b-2048n.yaml")
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 16)
+    assert cfg.model.num_layers == 126 and 405e9 < cfg.model.num_parameters() < 410e9
+    bad = [f"--config={CONFIGS / 'run' / 'llama-405b-2048n.yaml'}", "--dry-run"]
+    monkeypatch.setenv("WORLD_SIZE", str(2048 * GPUS_PER_NODE))
+    monkeypatch.chdir(tmp_path)
+    code = train.main([*bad, "parallel.num_layers_in_first_pipeline_stage=null"])
+    assert code == ExitCode.CONFIG_ERROR  # 126 layers do not split evenly over 16 stages

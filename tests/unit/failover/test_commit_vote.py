@@ -1,7 +1,8 @@
 """The commit vote with threads as ranks (each with its own store client and, for TP = 1, a real
 gloo group): every member reaches the same verdict, and an update is committed only when every
-member's reduction succeeded. TP = 1 votes with an all-reduce of success flags; TP > 1 with a
-store counter over all ranks (both paths are tested)."""
+member's reduction succeeded. A one-rank replica votes with an all-reduce of success flags; a
+replica of several ranks (TP x PP > 1) with a store counter over all ranks (both paths are
+tested)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def _setup(tp):
             plane,
             membership,
             rank=r,
-            tp=tp,
+            replica_size=tp,
             stop_flag=StopFlag(),
             failure_wait_s=0.3,
             regroup_timeout_s=20,

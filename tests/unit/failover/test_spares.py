@@ -88,7 +88,7 @@ def test_a_replaced_node_is_at_full_strength_once_its_ranks_train(store):
     from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
     c = Coordinator(store, 4, DetectorConfig(), log=lambda m: None)
-    c.tp, c.members, c.detector.job_step = 1, (0, 1, 2), 20
+    c.replica_size, c.members, c.detector.job_step = 1, (0, 1, 2), 20
     for r, inc in ((2, 1), (3, 1)):
         c.ranks[r].incarnation, c.ranks[r].progress = inc, f"{inc}:-1:idle"
     at_loss = {2: 0, 3: 0}

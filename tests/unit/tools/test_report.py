@@ -396,6 +396,7 @@ ALL_SECTIONS = [
     "Step time",
     "Degraded-mode step time per rank",
     "Takeover granularity per rank",
+    "Covering pipeline step time (PP 2)",
 ]
 """Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
 

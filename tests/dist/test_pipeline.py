@@ -1,0 +1,105 @@
+"""Pipeline parallelism under failover, with real processes and real signals: a replica is a
+pipeline of TP x PP ranks; the death of any of them removes the whole replica, survivors take its
+micro-batches (every stage of a covering pipeline runs them in the same schedule), and the
+restarted ranks take their (TP, PP) position's state from the same position in a live replica.
+After each: steps once, micro-batches once, every position's replicas bitwise equal, the summary
+as events and metrics say, and with `spread` the failure-free loss curve."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.test_failover import assert_recovered
+from tests.helpers.launch import launch, launch_nodes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+STEPS = 30
+PP2 = ("parallel.pipeline_model_parallel_size=2", "mecefo.takeover_policy=spread")
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory, demo_data_dir):
+    res = launch(tmp_path_factory.mktemp("pp"), demo_data_dir, steps=STEPS, overrides=PP2)
+    assert res.returncode == 0, res.explain()
+    assert res.summary()["failover"]["failures"] == 0
+    return res
+
+
+def _same_curve(res, ref) -> None:
+    ref_losses, got = ref.losses(), res.losses()
+    for step in range(STEPS):
+        assert got[step] == pytest.approx(ref_losses[step], rel=2e-5, abs=1e-6), step
+
+
+@pytest.mark.parametrize(
+    "inject",
+    [("kill:0:5:3",), ("kill:3:5:3",), ("kill:2:5:3", "kill:3:5:3")],
+    ids=["first-stage", "last-stage", "whole-replica"],
+)
+def test_pp2_dp2_survives_a_kill_on_any_stage(tmp_path, demo_data_dir, failure_free, inject):
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=STEPS,
+        inject=inject,
+        overrides=PP2,
+        launch_args=("--warm-spares", "2"),
+    )
+    assert_recovered(res, steps=STEPS, replicas=2, tp=2, min_rejoins=2)
+    dead = {int(spec.split(":")[1]) // 2 for spec in inject}
+    failures = [e for e in res.events() if e["type"] == "failure"]
+    assert {e["dp_rank"] for e in failures} == dead  # the replica goes whole
+    assert {r for e in failures for r in e["ranks"]} == {2 * d + s for d in dead for s in (0, 1)}
+    _same_curve(res, failure_free)
+
+
+def test_pp2_node_loss_with_a_standby(tmp_path, demo_data_dir, failure_free):
+    """Each simulated node runs one replica (its two stages); node 1 is lost whole (agent and
+    ranks SIGKILLed) and a standby node takes its ranks, which rejoin by position."""
+    import os
+    import signal
+    import time
+
+    def lose_node_1(procs, run_dir):
+        deadline = time.monotonic() + 240
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 6):
+            assert time.monotonic() < deadline and procs[0].poll() is None
+            time.sleep(0.1)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+
+    res = launch_nodes(
+        tmp_path,
+        demo_data_dir,
+        nnodes=2,
+        nproc_per_node=2,
+        steps=STEPS,
+        overrides=PP2,
+        standby=1,
+        while_running=lose_node_1,
+        launch_args=("--warm-spares", "2"),
+    )
+    assert res.node_codes[0] == 0 and res.node_codes[2] == 0, res.explain()
+    res.returncode = 0  # node 1 was killed on purpose
+    assert_recovered(res, steps=STEPS, replicas=2, tp=2, min_rejoins=2)
+    types = res.event_types()
+    assert "node_lost" in types and "node_replaced" in types, types
+    _same_curve(res, failure_free)
+
+
+def test_tp2_pp2_dp2_one_kill(tmp_path, demo_data_dir):
+    """8 processes: a replica is 4 ranks (2 stages x 2 TP shards); one of them is SIGKILLed."""
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        nproc=8,
+        steps=40,
+        inject=("kill:5:4:3",),
+        overrides=(*PP2, "parallel.tensor_model_parallel_size=2"),
+        launch_args=("--warm-spares", "4"),
+        timeout_s=400,
+    )
+    assert_recovered(res, steps=40, replicas=2, world=8, tp=4, min_rejoins=4)
+    failures = [e for e in res.events() if e["type"] == "failure"]
+    assert {r for e in failures for r in e["ranks"]} == {4, 5, 6, 7}

@@ -57,9 +57,44 @@ def build_optimizer(
     return get_megatron_optimizer(ocfg, [ddp])
 
 
-def set_lr(optimizer, lr: float) -> None:
+def optimizer_param_groups(ddp: torch.nn.Module) -> list[dict[str, Any]]:
+    """megatron's AdamW parameter groups, in its order: `params`, `wd_mult` (0 for biases and
+    1-D parameters), `lr_mult`. Collective over the default group (megatron aligns the groups of
+    every rank): all its ranks call this together."""
+    from megatron.core.optimizer import OptimizerConfig, _get_param_groups
+
+    groups = _get_param_groups([ddp], OptimizerConfig(optimizer="adam", lr=1.0), None)
+    return [
+        {"params": g["params"], "wd_mult": g["wd_mult"], "lr_mult": g["lr_mult"]} for g in groups
+    ]
+
+
+def counts_in_grad_norm(param: torch.Tensor) -> bool:
+    """megatron's filter for the gradient norm: shared parameters and tensor-parallel duplicates
+    (a norm's weight on TP ranks > 0) are counted once."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)
+
+
+def grad_norm(grads: list[torch.Tensor]) -> float:
+    """The global L2 norm of `grads` over this replica's model-parallel ranks (TP x PP), as
+    megatron's non-distributed optimizer computes it (collective over that group)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+
+    return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=ps.get_model_parallel_group()))
+
+
+def set_lr(optimizer, lr: float, weight_decay: float) -> None:
+    """This step's learning rate and weight decay, per parameter group, as megatron's
+    `OptimizerParamScheduler` sets them: weight decay times the group's `wd_mult` (0 for biases
+    and 1-D parameters such as norms), learning rate times its `lr_mult`. The optimizer's own
+    default would decay every group alike."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
 def forward_backward(

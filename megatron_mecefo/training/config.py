@@ -49,8 +49,9 @@ class TrainingConfig:
     eval_microbatches: int = 8
     """Validation micro-batches per evaluation (a fixed set, identical for any DP size)."""
     use_distributed_optimizer: bool = False
-    """Shard optimizer state over DP (megatron DistributedOptimizer). Not compatible with MeCeFO
-    failover yet, which reduces gradients itself."""
+    """Shard fp32 master weights and AdamW moments over the DP replicas (ZeRO-1, as megatron's
+    DistributedOptimizer; our own, `megatron_mecefo/optim/`, so shards survive failover).
+    Under failover each shard is kept on `failover.shard_copies` replicas."""
 
     def __post_init__(self) -> None:
         positive = ("max_steps", "micro_batch_size", "num_microbatches", "eval_microbatches")
@@ -72,9 +73,3 @@ class TrainingConfig:
             raise ValueError("warmup_steps, eval_interval and clip_grad must be >= 0")
         if self.lr_decay_steps is not None and self.lr_decay_steps < max(1, self.warmup_steps):
             raise ValueError("lr_decay_steps must be >= warmup_steps")
-        if self.use_distributed_optimizer:
-            raise ValueError(
-                "use_distributed_optimizer=true is not supported yet: the MeCeFO gradient "
-                "reduction all-reduces full grad buffers; "
-                "set training.use_distributed_optimizer=false"
-            )

@@ -124,7 +124,7 @@ class Engine:
         tc = self.cfg.training
         start = time.perf_counter()
         lr = lr_at(step, tc)
-        stack.set_lr(self.optimizer, lr)
+        stack.set_lr(self.optimizer, lr, tc.weight_decay)
         self.controller.on_step_start(step)
         self.membership.begin_attempt()
         self.ddp.zero_grad_buffer()
@@ -147,7 +147,9 @@ class Engine:
         )
         self.controller.set_degraded(False)
         loss, global_samples = self._global_mean_loss(outputs)
-        committed = self.membership.commit(step, self.membership.failed is None)
+        # a rank whose last parameter all-gather failed has stale parameters: never commit on them
+        fresh = not getattr(self.optimizer, "stale", False)
+        committed = self.membership.commit(step, self.membership.failed is None and fresh)
         updated, grad_norm = False, 0.0
         if committed:
             for wait in self.before_update:
@@ -303,6 +305,7 @@ def build_engine(
     data_rank: int | None = None,
     data_barrier: Callable[[], None] | None = None,
     data_guard: Callable[[], AbstractContextManager] | None = None,
+    shard_placement: dict[str, int] | None = None,
 ) -> Engine:
     """Initialise distributed state (if not given) and build every component of a run.
 
@@ -315,6 +318,8 @@ def build_engine(
         data_rank, data_barrier: who builds the data and how ranks wait for it (default: the
             global rank and `ctx.barrier`; failover passes store-based ones across replicas).
         data_guard: held around data preparation (failover: a lock among the builders).
+        shard_placement: `copies` and `replicas_per_node` of the distributed optimizer's shards
+            (default: one copy each, ZeRO-1; failover keeps two).
     """
     ctx = ctx or init_parallel(cfg.parallel)
     membership = membership or Membership.static(*data_parallel_layout())
@@ -338,16 +343,19 @@ def build_engine(
         model = model.cuda()
     controller = install_degraded_mode(model, cfg.mecefo)  # disabled: installs nothing
     ddp = stack.wrap_ddp(model, tcfg)
-    optimizer = stack.build_optimizer(
-        ddp,
-        lr=tc.lr,
-        min_lr=tc.min_lr,
-        weight_decay=tc.weight_decay,
-        betas=(tc.adam_beta1, tc.adam_beta2),
-        eps=tc.adam_eps,
-        clip_grad=tc.clip_grad,
-        bf16=bf16,
-    )
+    if tc.use_distributed_optimizer:
+        optimizer = _sharded_optimizer(ddp, model, membership, tc, shard_placement or {})
+    else:
+        optimizer = stack.build_optimizer(
+            ddp,
+            lr=tc.lr,
+            min_lr=tc.min_lr,
+            weight_decay=tc.weight_decay,
+            betas=(tc.adam_beta1, tc.adam_beta2),
+            eps=tc.adam_eps,
+            clip_grad=tc.clip_grad,
+            bf16=bf16,
+        )
     reducer = stack.PlanGradReducer(ddp, membership, controller.is_masked_param)
     stack.install_grad_reducer(ddp, tcfg, reducer)
     if log is not None:
@@ -358,6 +366,21 @@ def build_engine(
             f"backend={ctx.backend}"
         )
     return Engine(cfg, ctx, model, ddp, tcfg, optimizer, data, controller, reducer, membership)
+
+
+def _sharded_optimizer(ddp, model, membership: Membership, tc, placement: dict[str, int]):
+    from megatron_mecefo.optim.sharded import AdamHyper, ShardedOptimizer
+
+    return ShardedOptimizer(
+        stack.optimizer_param_groups(ddp),
+        {p: n for n, p in model.named_parameters()},
+        membership,
+        AdamHyper(betas=(tc.adam_beta1, tc.adam_beta2), eps=tc.adam_eps, clip_grad=tc.clip_grad),
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
+        copies=placement.get("copies", 1),
+        replicas_per_node=placement.get("replicas_per_node", 1),
+    )
 
 
 def _prepare(cfg: RunConfig, ctx: ParallelContext, n: int, data_rank, data_barrier):

@@ -28,6 +28,10 @@ class Collectives(Protocol):
         """SUM all-reduce in place; False (and `failed` set) if it did not complete."""
         ...
 
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        """`out` = every member's `tensor`, end to end in group order; False if it failed."""
+        ...
+
     def reset(self) -> None:
         """Forget the error of a previous step."""
         ...
@@ -40,6 +44,10 @@ class BlockingCollectives:
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+        return True
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
+        dist.all_gather_single(out, tensor, group=group)
         return True
 
     def reset(self) -> None:
@@ -102,6 +110,14 @@ class Membership:
         if self.size == 1 or self.group is None:
             return True
         return self.collectives.all_reduce(tensor, self.group)
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor) -> bool:
+        """Every member's `tensor` into `out` (size x its numel), in group order. False if it
+        failed (see `failed`)."""
+        if self.size == 1 or self.group is None:
+            out.copy_(tensor.reshape(-1))
+            return True
+        return self.collectives.all_gather(out, tensor, self.group)
 
     @property
     def failed(self) -> str | None:

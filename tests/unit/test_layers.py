@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "config.loader", "config.timeouts", "config.batch", "*.config", "plan.techniques"),
     # the store protocol, megatron's adapter, kernels, simulator, metrics: no training logic
     ("control", "mcore", "kernels", "sim", "metrics"),
-    ("data", "mecefo", "plan"),
+    ("data", "mecefo", "plan", "optim"),
     ("training",),  # the engine, the loop, the membership, the state and its identity
     ("checkpoint", "snapshot", "testing"),  # hooks on the training loop
     ("training.session", "precheck"),  # one set-up path, and the check before it

@@ -120,3 +120,18 @@ class AbortableCollectives:
             return False
         tensor.copy_(stage)
         return True
+
+    def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group) -> bool:
+        # issued after a failure too, like all_reduce: the members' sequences must stay aligned
+        stage = torch.empty_like(out)
+        error = wait_work(
+            group._allgather_base(stage, tensor.contiguous()),
+            "all-gather",
+            backend=self.backend,
+            lost=self.lost,
+        )
+        if error is not None:
+            self.failed = self.failed or error
+            return False
+        out.copy_(stage)
+        return True

@@ -1,6 +1,7 @@
 """Real-size run configs and the fixed global batch (issue 18, item 6): every configs/run/
 llama-*-<N>n.yaml passes `mecefo-train --dry-run` at its own size (N nodes x 8 GPUs; the Llama 3
-405B layout too: TP 8 x PP 16 on 2048 nodes), the 1- and
+405B layout too: TP 8 x PP 16 on 2048 nodes; Llama 3 70B: TP 8 x PP 4 on 128 nodes with the
+distributed optimizer, issue 26), the 1- and
 4-node configs of a model train the same trajectory (same global batch and config hash, so either
 can resume the other's checkpoints), and a layout that does not divide the global batch is a
 one-line error naming the numbers. The failover presets load."""
@@ -133,3 +134,26 @@ def test_the_llama3_405b_layout_is_a_128_gpu_pipeline(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     code = train.main([*bad, "parallel.num_layers_in_first_pipeline_stage=null"])
     assert code == ExitCode.CONFIG_ERROR  # 126 layers do not split evenly over 16 stages
+
+
+def test_the_llama3_70b_layout_shards_the_optimizer_over_32_replicas(monkeypatch, tmp_path):
+    path = CONFIGS / "run" / "llama-70b-128n.yaml"
+    cfg = load_config(RunConfig, path)
+    p, m = cfg.parallel, cfg.model
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (8, 4)
+    assert (m.num_layers, m.hidden_size, m.ffn_hidden_size) == (80, 8192, 28672)
+    assert (m.num_attention_heads, m.num_query_groups, m.vocab_size) == (64, 8, 128256)
+    assert 70e9 < m.num_parameters() < 71e9 and cfg.training.use_distributed_optimizer
+    world = _nodes(path) * GPUS_PER_NODE  # WORLD_SIZE=1024: DP 32
+    monkeypatch.chdir(tmp_path)
+    data = cfg.data
+    for name in (f"{data.path}.bin", f"{data.path}.idx", data.tokenizer_model):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    code, out = _dry_run(path, world, monkeypatch)
+    assert code == ExitCode.OK
+    resolved = yaml.safe_load(out)["training"]
+    assert resolved["use_distributed_optimizer"] is True
+    assert resolved["num_microbatches"] == 32  # 1024 sequences / (1 x 32 replicas)
+    code, _ = _dry_run(path, world, monkeypatch, "parallel.pipeline_model_parallel_size=3")
+    assert code == ExitCode.CONFIG_ERROR  # 80 layers do not split over 3 stages

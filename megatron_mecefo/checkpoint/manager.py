@@ -131,6 +131,10 @@ def find_resume(
     return found
 
 
+SHARD_WAIT_S = 60.0
+"""How long the committing rank waits for the other members' optimizer shard files."""
+
+
 class CheckpointManager(TrainHook):
     """Saves from the ranks `saves_here()` selects (all ranks of the default process group of the
     saving replica), at the same loop points on each of them."""
@@ -157,6 +161,7 @@ class CheckpointManager(TrainHook):
         self.saves_here = saves_here
         self.log = log
         self._saves = None
+        self._shards: int | None = None  # the optimizer shards a sharded save must find
         self.stats: dict[str, Any] = {"saved": [], "failed": 0, "save_block_s": [], "resumed": None}
 
     @property
@@ -223,18 +228,24 @@ class CheckpointManager(TrainHook):
         """Write the checkpoint `step_<next_step>` (async when configured)."""
         from megatron_mecefo.mcore import checkpointing
 
-        if not self.saves_here():
-            return
         folder = layout.step_dir(self.root, next_step)
         start = time.perf_counter()
+        sharded = checkpointing.is_sharded(engine.optimizer)
+        if not self.saves_here():  # failover: another replica saves the model, this its shards
+            if sharded:
+                self._write_shards(engine, folder)
+            return
         try:
             if checkpointing.default_group_rank() == 0:
                 self._clear(folder)
                 folder.mkdir(parents=True, exist_ok=True)
             checkpointing.barrier()
+            if sharded:
+                self._write_shards(engine, folder)
             request = checkpointing.save(
                 engine, str(folder), next_step, async_save=self.cfg.async_save
             )
+            self._shards = engine.optimizer.layout.num_shards if sharded else None
         except Exception as exc:  # noqa: BLE001 - a failed save must not stop training
             self.stats["failed"] += 1
             self.log(f"warning: checkpoint at step {next_step} failed ({exc}); training goes on")
@@ -252,6 +263,8 @@ class CheckpointManager(TrainHook):
         from megatron_mecefo.mcore import checkpointing
 
         if checkpointing.default_group_rank() != 0:
+            return
+        if self._shards is not None and not self._shards_complete(folder, self._shards):
             return
         ident = self.identity
         extra = {
@@ -273,6 +286,32 @@ class CheckpointManager(TrainHook):
             f"checkpoint {folder.name} committed ({time.perf_counter() - start:.1f} s"
             f"{', pruned ' + ', '.join(p.name for p in removed) if removed else ''})"
         )
+
+    def _write_shards(self, engine, folder: Path) -> None:
+        """Every member writes the optimizer shards it serves (the distributed optimizer)."""
+        from megatron_mecefo.mcore import checkpointing
+
+        try:
+            engine.optimizer.write_served(str(folder), *checkpointing.stage_and_tp_rank())
+        except Exception as exc:  # noqa: BLE001 - a failed save must not stop training
+            self.log(f"warning: optimizer shards of {folder.name} not written ({exc})")
+
+    def _shards_complete(self, folder: Path, num_shards: int) -> bool:
+        """Wait (bounded) for every member's shard files; a commit without them would be a
+        checkpoint that cannot be resumed."""
+        from megatron_mecefo.optim import shard_files
+
+        deadline = time.monotonic() + SHARD_WAIT_S
+        while missing := shard_files.missing(folder, self.pp_size, self.tp_size, num_shards):
+            if time.monotonic() > deadline:
+                self.stats["failed"] += 1
+                self.log(
+                    f"warning: checkpoint {folder.name} not committed: {len(missing)} optimizer "
+                    f"shard files missing after {SHARD_WAIT_S:.0f} s (e.g. {missing[0]})"
+                )
+                return False
+            time.sleep(0.05)
+        return True
 
     def _clear(self, folder: Path) -> None:
         """Make `folder` free for a new save: a checkpoint of another line or run there is moved

@@ -17,16 +17,25 @@ import torch.distributed as dist
 from megatron_mecefo.mcore.parallel import rng_states, set_rng_states
 
 
+def is_sharded(optimizer: Any) -> bool:
+    """The distributed optimizer (`optim/sharded.py`), whose shards are saved as files."""
+    return hasattr(optimizer, "held")
+
+
+def stage_and_tp_rank() -> tuple[int, int]:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+
+
 def _sharded_state(engine: Any, next_step: int, *, is_loading: bool, with_rng: bool) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = engine.ddp.module.sharded_state_dict()
-    state = {
-        "model": model_sd,
-        "optimizer": engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
-        "next_step": next_step,
-    }
+    state = {"model": model_sd, "next_step": next_step}
+    if not is_sharded(engine.optimizer):  # sharded: per-shard files (`optim/shard_files.py`)
+        state["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     if with_rng:  # one RNG state per (PP stage, TP rank); without PP the earlier (TP,) shape
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
         pp, pp_rank = (
@@ -64,7 +73,10 @@ def load(engine: Any, folder: str, *, with_rng: bool = True) -> int:
     state = _sharded_state(engine, 0, is_loading=True, with_rng=with_rng)
     loaded = dist_checkpointing.load(state, folder)
     engine.ddp.module.load_state_dict(loaded["model"])
-    engine.optimizer.load_state_dict(loaded["optimizer"])
+    if is_sharded(engine.optimizer):
+        engine.optimizer.load_checkpoint(folder, *stage_and_tp_rank())
+    else:
+        engine.optimizer.load_state_dict(loaded["optimizer"])
     if with_rng:
         set_rng_states(loaded["rng"])
     engine.controller.clear_caches()

@@ -49,6 +49,7 @@ EVENT_TYPES = (
     "node_lost",
     "node_replaced",
     "step_redone",
+    "shard_adopt",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

@@ -63,6 +63,9 @@ class ShardedOptimizer:
         copies: replicas that hold each shard (1: plain ZeRO-1; failover: 2, a live copy
             survives any single death).
         replicas_per_node: copies go to different nodes first.
+        placed: hold this replica's shards from the start (static jobs). Failover passes False:
+            the first regroup places them (`failover/trainer/shards.py`), so a trainer never
+            holds more than its share.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class ShardedOptimizer:
         weight_decay: float,
         copies: int = 1,
         replicas_per_node: int = 1,
+        placed: bool = True,
     ):
         from megatron_mecefo.mcore import stack
 
@@ -101,9 +105,14 @@ class ShardedOptimizer:
         self.held: dict[int, ShardState] = {}
         self._norm_params = [p for p in self.layout.params if stack.counts_in_grad_norm(p)]
         self._grad_norm = stack.grad_norm
-        self.where = self.placement(membership.members)
-        for s in place.held_by(membership.replica, self.where):
-            self.held[s] = self.fresh_shard(s)
+        self.disk: tuple[str, int, int, int] | None = None
+        """(checkpoint folder, step count, stage, TP rank) whose shard files a placement not yet
+        made will read (failover resumes place shards only at the first regroup)."""
+        self.where: tuple[tuple[int, ...], ...] | None = None
+        if placed:
+            self.where = self.placement(membership.members)
+            for s in place.held_by(membership.replica, self.where):
+                self.held[s] = self.fresh_shard(s)
 
     # ------------------------------------------------------------------ placement
     def placement(self, members: Sequence[int]) -> tuple[tuple[int, ...], ...]:
@@ -118,11 +127,12 @@ class ShardedOptimizer:
     def fresh_shard(self, shard: int) -> ShardState:
         """A shard's state at step 0: master = the current parameters, zero moments."""
         n = self.layout.shard_len(shard)
-        master = torch.empty(n, dtype=torch.float32, device=self._device())
+        master = torch.empty(n, dtype=torch.float32, device=self.device)
         self.layout.gather_from_params(shard, master)
         return ShardState(master, torch.zeros_like(master), torch.zeros_like(master))
 
-    def _device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:
         return self.layout.params[0].device if self.layout.params else torch.device("cpu")
 
     # ------------------------------------------------------------------ step
@@ -141,7 +151,7 @@ class ShardedOptimizer:
         self.step_count += 1
         lrs = [g["lr"] for g in self.param_groups]
         wds = [g["weight_decay"] for g in self.param_groups]
-        grad = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self._device())
+        grad = torch.empty(self.layout.shard_numel, dtype=torch.float32, device=self.device)
         for s, st in sorted(self.held.items()):
             g = grad[: st.master.numel()]
             self.layout.gather_from_params(s, g, source="main_grad")
@@ -170,6 +180,8 @@ class ShardedOptimizer:
         call failed; the rounds are still all issued so members stay aligned."""
         m = self.membership
         members = tuple(m.members)
+        if self.where is None:
+            raise RuntimeError("the optimizer's shards are not placed yet")
         served = [place.served_by(r, self.where) for r in members]
         missing = [s for s, hs in enumerate(self.where) if not hs]
         if missing:
@@ -181,11 +193,11 @@ class ShardedOptimizer:
         for k in range(max(len(x) for x in served)):
             for lo in range(0, self.layout.shard_numel, width):
                 w = min(width, self.layout.shard_numel - lo)
-                send = torch.zeros(w, dtype=dtype, device=self._device())
+                send = torch.zeros(w, dtype=dtype, device=self.device)
                 if k < len(mine):
                     src = self.held[mine[k]].master[lo : lo + w]
                     send[: src.numel()].copy_(src)
-                out = torch.empty(size * w, dtype=dtype, device=self._device())
+                out = torch.empty(size * w, dtype=dtype, device=self.device)
                 if not m.all_gather(out, send):
                     ok = False
                     continue
@@ -214,11 +226,47 @@ class ShardedOptimizer:
         )
 
     # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ checkpoints
+    def write_served(self, folder: str, pp: int, tp: int) -> list[int]:
+        """Write the shards this replica serves into `folder` (every member calls this: each
+        shard is written once, by its primary)."""
+        from megatron_mecefo.optim import shard_files
+
+        mine = place.served_by(self.membership.replica, self.where or ())
+        for s in mine:
+            shard_files.write(
+                folder, self.layout, pp, tp, s, self.step_count, self.held[s].tensors()
+            )
+        return list(mine)
+
+    def load_checkpoint(self, folder: str, pp: int, tp: int) -> None:
+        """Take the step count and (once placed) the held shards from `folder`'s shard files."""
+        from megatron_mecefo.optim import shard_files
+
+        self.step_count, _ = shard_files.read(folder, self.layout, pp, tp, 0)
+        if self.where is None:
+            self.disk = (str(folder), self.step_count, pp, tp)
+            return
+        for s in place.held_by(self.membership.replica, self.where):
+            step, tensors = shard_files.read(folder, self.layout, pp, tp, s)
+            self.held[s] = ShardState(**{k: v.to(self.device) for k, v in tensors.items()})
+
+    def read_disk(self, shard: int) -> ShardState:
+        """Shard `shard` from the checkpoint `load_checkpoint` recorded."""
+        from megatron_mecefo.optim import shard_files
+
+        folder, _, pp, tp = self.disk
+        _, tensors = shard_files.read(folder, self.layout, pp, tp, shard)
+        return ShardState(**{k: v.to(self.device) for k, v in tensors.items()})
+
     def meta(self) -> dict[str, Any]:
         return {"kind": KIND, "step": self.step_count, "layout": self.layout.describe()}
 
-    def state_dict(self) -> dict[str, Any]:
-        """The step count, the layout and the held shards (references, not copies)."""
+    def state_dict(self, shards: bool = True) -> dict[str, Any]:
+        """The step count, the layout and the held shards (references, not copies); without
+        `shards`, what a rejoining replica needs before it receives its shards."""
+        if not shards:
+            return self.meta()
         return {
             **self.meta(),
             "shards": {s: st.tensors() for s, st in sorted(self.held.items())},
@@ -230,12 +278,17 @@ class ShardedOptimizer:
         raises."""
         self.check_meta(state)
         self.step_count = int(state["step"])
+        self.disk = None
         shards = state.get("shards")
-        if shards is None:
+        if shards is None:  # a rejoiner: its shards come from their holders
+            self.held = {}
             return
         self.held = {
-            int(s): ShardState(**{k: v.clone() for k, v in t.items()}) for s, t in shards.items()
+            int(s): ShardState(**{k: v.to(self.device, copy=True) for k, v in t.items()})
+            for s, t in shards.items()
         }
+        if self.where is None:  # failover: the next regroup places them
+            return
         want = place.held_by(self.membership.replica, self.where)
         missing = [s for s in want if s not in self.held]
         if missing:
@@ -248,7 +301,11 @@ class ShardedOptimizer:
                 "differs from the run that wrote it)"
             )
         theirs = state["layout"]["signature"]
-        if theirs != self.layout.signature() or state["layout"]["numel"] != self.layout.numel:
+        if (
+            theirs != self.layout.signature()
+            or state["layout"]["numel"] != self.layout.numel
+            or state["layout"]["num_shards"] != self.layout.num_shards
+        ):
             raise RuntimeError(
                 f"optimizer state of another parameter layout ({theirs}, "
                 f"this run {self.layout.signature()})"

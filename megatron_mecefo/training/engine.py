@@ -318,8 +318,9 @@ def build_engine(
         data_rank, data_barrier: who builds the data and how ranks wait for it (default: the
             global rank and `ctx.barrier`; failover passes store-based ones across replicas).
         data_guard: held around data preparation (failover: a lock among the builders).
-        shard_placement: `copies` and `replicas_per_node` of the distributed optimizer's shards
-            (default: one copy each, ZeRO-1; failover keeps two).
+        shard_placement: `copies`, `replicas_per_node` and `placed` of the distributed
+            optimizer's shards (default: one copy each, placed now; failover keeps two, placed
+            at its first regroup).
     """
     ctx = ctx or init_parallel(cfg.parallel)
     membership = membership or Membership.static(*data_parallel_layout())
@@ -380,6 +381,7 @@ def _sharded_optimizer(ddp, model, membership: Membership, tc, placement: dict[s
         weight_decay=tc.weight_decay,
         copies=placement.get("copies", 1),
         replicas_per_node=placement.get("replicas_per_node", 1),
+        placed=placement.get("placed", True),
     )
 
 

@@ -124,15 +124,20 @@ def truncate_audit(run_dir: Path, next_step: int) -> None:
     """Keep the audit rows (`failover.audit`) of steps before `next_step`; the final-state
     digests are dropped (the run will write them again)."""
     audit = Path(run_dir) / "audit"
-    for path in audit.glob("tasks_rank*.jsonl"):
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] < next_step:
-                    keep.append(line)
-            except (ValueError, KeyError, TypeError):
-                pass  # a row cut short by a crash
-        path.write_text("".join(line + "\n" for line in keep))
+    # task rows name the step they ran; shard rows the state they hold (after step next_step - 1)
+    for pattern, key, bound in (
+        ("tasks_rank*.jsonl", "step", next_step),
+        ("shards_rank*.jsonl", "next_step", next_step + 1),
+    ):
+        for path in audit.glob(pattern):
+            keep = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)[key] < bound:
+                        keep.append(line)
+                except (ValueError, KeyError, TypeError):
+                    pass  # a row cut short by a crash
+            path.write_text("".join(line + "\n" for line in keep))
     for path in audit.glob("state_rank*.json"):
         path.unlink(missing_ok=True)
 

@@ -51,6 +51,11 @@ class RunControl(StepControl):
         """`build_engine`'s data arguments (who builds the data, how the others wait)."""
         return {}
 
+    def shard_placement(self) -> dict[str, Any]:
+        """How the distributed optimizer places its shards (`build_engine`): one copy each,
+        placed at construction."""
+        return {}
+
     def logger(self, component: str) -> Callable[[str], None]:
         """Where one component's messages go: `engine` (once for the job), `checkpoint`,
         `snapshot`, `recovery`."""
@@ -204,6 +209,7 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
         ctx,
         log=control.logger("engine"),
         membership=control.membership,
+        shard_placement=control.shard_placement(),
         **control.data_preparation(),
     )
     ckpt = CheckpointManager(

@@ -9,15 +9,21 @@ from typing import Any
 
 import torch
 
+from megatron_mecefo.mcore.checkpointing import is_sharded
 from megatron_mecefo.mcore.parallel import rng_states, set_rng_states
 
 
-def state_dict(engine: Any, next_step: int) -> dict[str, Any]:
-    """Model, optimizer, RNG and `next_step` (the first step not yet applied)."""
+def state_dict(engine: Any, next_step: int, *, shards: bool = True) -> dict[str, Any]:
+    """Model, optimizer, RNG and `next_step` (the first step not yet applied). A sharded
+    optimizer gives its held shards; without `shards` only its step count (a rejoining replica
+    receives its shards from their holders)."""
+    optimizer = engine.optimizer
     return {
         "next_step": int(next_step),
         "model": engine.ddp.module.state_dict(),
-        "optimizer": engine.optimizer.state_dict(),
+        "optimizer": optimizer.state_dict(shards)
+        if is_sharded(optimizer)
+        else optimizer.state_dict(),
         "rng": rng_states(),
     }
 
@@ -50,8 +56,10 @@ def from_bytes(payload: torch.Tensor) -> dict[str, Any]:
     return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location="cpu", weights_only=False)
 
 
-def digest(engine: Any) -> dict[str, str]:
-    """SHA-256 of the model and of the optimizer state (replicas must agree bit for bit)."""
+def digest(engine: Any) -> dict[str, Any]:
+    """SHA-256 of the model and of the optimizer state (replicas must agree bit for bit). A
+    sharded optimizer: its step count and layout, and under `shards` each held shard's digest
+    (every holder of a shard must agree)."""
     import hashlib
 
     def walk(obj: Any, h) -> None:
@@ -69,10 +77,16 @@ def digest(engine: Any) -> dict[str, str]:
         else:
             h.update(repr(obj).encode())
 
-    out = {}
+    out: dict[str, Any] = {}
+    optimizer = engine.optimizer
+    if is_sharded(optimizer):
+        out["shards"] = {str(s): d for s, d in optimizer.digests().items()}
     for name, obj in (
         ("model", engine.ddp.module.state_dict()),
-        ("optimizer", engine.optimizer.state_dict()),
+        (
+            "optimizer",
+            optimizer.state_dict(False) if is_sharded(optimizer) else optimizer.state_dict(),
+        ),
     ):
         h = hashlib.sha256()
         walk(obj, h)

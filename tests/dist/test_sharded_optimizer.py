@@ -116,7 +116,6 @@ def test_four_ranks_sharded_equals_replicated(demo_data_dir, overrides):
 
 def _decay_worker(rank, demo_dir, sharded):
     """One update from zero gradients: AdamW moves nothing but the decay."""
-    import torch
 
     from megatron_mecefo.config.loader import load_config
     from megatron_mecefo.config.run import RunConfig

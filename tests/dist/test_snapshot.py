@@ -222,3 +222,47 @@ def test_a_pipeline_killed_whole_resumes_from_shared_memory(tmp_path, demo_data_
     assert "every replica is lost" in res.output and "shared-memory snapshot" in res.output
     assert res.losses() == straight.losses()
     assert _digests(res) == _digests(straight)
+
+
+def test_sharded_optimizer_state_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_root):
+    """The distributed optimizer: each node's snapshot holds only that replica's two shards
+    (of three), so losing every trainer and node 1's memory leaves shards 0 and 1 (held by
+    replicas 0-1 and 1-2) recoverable only through parity."""
+    sharded = (*SNAP, "training.use_distributed_optimizer=true", "failover.audit=true")
+
+    def lose_node_1(procs, run_dir):
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline:
+            ev = run_dir / "events.jsonl"
+            if ev.exists() and ev.read_text().count('"failure"') >= 3:
+                break
+            time.sleep(0.05)
+        node1 = next(shm_root.glob("mecefo-*")) / "node0001"
+        pids = subprocess.run(
+            ["pgrep", "-f", f"snapshot.smp --dir {node1}"], capture_output=True, text=True
+        ).stdout.split()
+        assert pids, "node 1 has no snapshot process"
+        for pid in pids:
+            os.kill(int(pid), signal.SIGKILL)
+        shutil.rmtree(node1)
+
+    res = launch_nodes(
+        tmp_path,
+        demo_data_dir,
+        nnodes=3,
+        steps=14,
+        overrides=sharded,
+        inject=("kill:0:8", "kill:1:8", "kill:2:8"),
+        launch_args=("--restart-delay-s", "3"),
+        while_running=lose_node_1,
+    )
+    assert res.returncode == 0, res.explain()
+    assert "rebuilt from parity" in res.output, res.explain()
+    assert [m["step"] for m in res.metrics()] == list(range(14))
+    digests = res.state_digests()
+    assert len(digests) == 3 and len({d["model"] for d in digests.values()}) == 1
+    holders: dict[str, set[str]] = {}
+    for d in digests.values():
+        for shard, digest in d["shards"].items():
+            holders.setdefault(shard, set()).add(digest)
+    assert sorted(holders) == ["0", "1", "2"] and all(len(v) == 1 for v in holders.values())

@@ -89,9 +89,7 @@ def test_sigusr1_to_the_agent_stops_every_rank_at_one_step(tmp_path, demo_data_d
     def stop_it(proc: subprocess.Popen, run_dir: Path) -> None:
         _signal_after(proc.pid, run_dir, 4)
 
-    res = launch(
-        tmp_path, demo_data_dir, nproc=2, steps=400, while_running=stop_it, name="stopped"
-    )
+    res = launch(tmp_path, demo_data_dir, nproc=2, steps=400, while_running=stop_it, name="stopped")
     assert res.returncode == ExitCode.PREEMPTED, res.explain()
     steps = [r["step"] for r in res.metrics()]
     stop = steps[-1] + 1

@@ -116,6 +116,7 @@ class FailoverManager(RunControl):
             log=log,
         )
         self.sync.before_transfer = before_transfer
+        self.sync.posts_shard_events = self.position == 0
         self.regroup = Regroup(
             self.plane,
             self.membership,
@@ -131,6 +132,7 @@ class FailoverManager(RunControl):
         self._plan_cache: tuple[tuple[int, ...], RankStepPlan | None] | None = None
         self._job_degraded = False
         self._task_log = None
+        self._shard_log = None
 
     @property
     def store(self):
@@ -237,6 +239,16 @@ class FailoverManager(RunControl):
         prefix = "checkpoint" if component == "checkpoint" else "recovery"
         return lambda m: print(f"[{prefix}] rank {self.rank}: {m}", flush=True)
 
+    def shard_placement(self) -> dict[str, Any]:
+        import os
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.replica_size))
+        return {
+            "copies": self.fcfg.shard_copies,
+            "replicas_per_node": max(1, local // self.replica_size),
+            "placed": False,
+        }
+
     def saves_checkpoints(self) -> bool:
         return self.membership.members[0] == self.replica
 
@@ -335,8 +347,9 @@ class FailoverManager(RunControl):
     def stop(self) -> None:
         if self.plane.hb is not None:
             self.plane.hb.stop()
-        if self._task_log is not None:
-            self._task_log.close()
+        for log in (self._task_log, self._shard_log):
+            if log is not None:
+                log.close()
 
     # ------------------------------------------------------------------ each step
     def begin_step(self, engine, step: int) -> RankStepPlan:
@@ -366,6 +379,8 @@ class FailoverManager(RunControl):
             self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and self.position == 0:
             self._log_tasks(engine, result.step)
+        if self.fcfg.audit and train_state.is_sharded(engine.optimizer):
+            self._log_shards(engine, result.step + 1)
         return {
             "generation": m.generation,
             "replicas_alive": m.size,
@@ -420,6 +435,17 @@ class FailoverManager(RunControl):
                 f"replica: [micro-batches, degraded] {json.dumps(work)}"
             ),
         )
+
+    def _log_shards(self, engine, next_step: int) -> None:
+        """Each held shard's digest after a committed step: every holder of a shard, and a
+        failure-free run, must agree at the same step."""
+        if self._shard_log is None:
+            path = Path(self.cfg.run_dir) / "audit" / f"shards_rank{self.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._shard_log = open(path, "a", buffering=1)
+        digests = {str(s): d for s, d in engine.optimizer.digests().items()}
+        line = {"next_step": next_step, "replica": self.replica, "position": self.position}
+        self._shard_log.write(json.dumps({**line, "shards": digests}) + "\n")
 
     def _log_tasks(self, engine, step: int) -> None:
         if self._task_log is None:

@@ -21,6 +21,8 @@ from megatron_mecefo.control.records import post_event
 from megatron_mecefo.errors import JobAbortedError
 from megatron_mecefo.failover.trainer.collectives import wait_work
 from megatron_mecefo.failover.trainer.plane import ControlPlane, Superseded
+from megatron_mecefo.failover.trainer.shards import sync_shards
+from megatron_mecefo.mcore.checkpointing import is_sharded
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.membership import Membership
 
@@ -52,6 +54,11 @@ class StateSync:
         """Called by a sender or receiver just before a transfer (failure injection at rejoin)."""
         self.rejoin_bytes = 0
         self.rejoin_s: float | None = None
+        self.posts_shard_events = True
+        """This rank posts the `shard_adopt` event of its DP group (one per replica position:
+        the manager sets it for position 0)."""
+        self.shard_moves: list[dict[str, Any]] = []
+        """What each regroup's shard placement moved (`shards.sync_shards`)."""
         self._started = time.monotonic()
 
     def _lost(self) -> str | None:
@@ -59,7 +66,56 @@ class StateSync:
         return self.plane.membership_lost(m.generation, m.members)
 
     def sync(self, engine: Any, gen: int, deadline: float) -> None:
-        """Agree on the newest state among members; send it to any member that lacks it."""
+        """Agree on the newest state among members; send it to any member that lacks it; with
+        the distributed optimizer, bring its shards to their holders (`shards.py`)."""
+        best = self._sync_state(engine, gen, deadline)
+        if is_sharded(engine.optimizer):
+            self._sync_shards(engine, best, gen, deadline)
+
+    def _sync_shards(self, engine: Any, best: int, gen: int, deadline: float) -> None:
+        m = self.membership
+
+        def collective(tensor: torch.Tensor) -> None:
+            if not m.collectives.all_reduce(tensor, m.group):
+                raise Superseded(self.plane.wait_newer_generation(gen, deadline))
+
+        moved = sync_shards(
+            engine.optimizer,
+            m,
+            best=best,
+            mine=self._mine(),
+            p2p=lambda work, what: self._p2p(work, what, gen, deadline),
+            collective=collective,
+            abort=self._abort,
+        )
+        m.begin_attempt()
+        if not engine.optimizer.gather_params():
+            raise Superseded(self.plane.wait_newer_generation(gen, deadline))
+        self.shard_moves.append(moved)
+        if moved["bytes"] and m.position == 0 and self.posts_shard_events:
+            post_event(
+                self.plane.store,
+                "shard_adopt",
+                step=best,
+                dp_rank=None,
+                generation=gen,
+                bytes=moved["bytes"],
+                transfer_ms=1000 * moved["seconds"],
+                detail=(
+                    f"optimizer shards placed on members {list(m.members)}: "
+                    f"{moved['bytes'] / 1e6:.2f} MB moved in {1000 * moved['seconds']:.0f} ms"
+                ),
+            )
+        mine = sorted(engine.optimizer.held)
+        if moved["bytes"]:
+            self.log(
+                f"[failover] rank {self.rank}: optimizer shards placed for members "
+                f"{list(m.members)} ({moved['bytes'] / 1e6:.2f} MB moved in "
+                f"{1000 * moved['seconds']:.0f} ms); this replica holds {mine}"
+            )
+
+    def _sync_state(self, engine: Any, gen: int, deadline: float) -> int:
+        """The newest state step among members, after sending it to those that lack it."""
         m = self.membership
         best, steps = self._exchange_steps(self._mine(), gen, deadline)
         if best < 0 and self.recover is not None:  # every replica was lost: recovery order
@@ -82,17 +138,18 @@ class StateSync:
                 "no live replica holds the training state to rejoin from, and none is saved"
             )
         if m.size == 1:
-            return
+            return best
         source = int((steps == best).nonzero()[0])
         receivers = [i for i in range(m.size) if int(steps[i]) < best]
         if not receivers:
-            return
+            return best
         if self.before_transfer is not None and (m.position == source or m.position in receivers):
             self.before_transfer()
         if m.position == source:
             self._send(engine, best, receivers, gen, deadline)
         elif m.position in receivers:
             self._receive(engine, best, source, gen, deadline)
+        return best
 
     def _mine(self) -> int:
         return self.plane.next_step if self.has_state else -1
@@ -119,7 +176,8 @@ class StateSync:
 
     def _send(self, engine, best: int, receivers: list[int], gen: int, deadline: float) -> None:
         m = self.membership
-        payload = train_state.to_bytes(train_state.state_dict(engine, best))
+        # sharded optimizer: its step count only; the shards follow from their holders
+        payload = train_state.to_bytes(train_state.state_dict(engine, best, shards=False))
         size = torch.tensor([payload.numel()], dtype=torch.int64)
         for dst in receivers:
             for tag, tensor in ((1, size), (2, payload)):

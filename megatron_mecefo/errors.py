@@ -74,6 +74,13 @@ class FencedError(MecefoError):
     exit_code = ExitCode.REJOIN
 
 
+class ShardsLostError(MecefoError):
+    """Every copy of an optimizer shard was lost at once: this rank exits to be restarted, and
+    the job resumes from the newest snapshot or checkpoint (a rollback)."""
+
+    exit_code = ExitCode.REJOIN
+
+
 class JobAbortedError(MecefoError):
     """The coordinator aborted the job (quorum lost, no survivor)."""
 

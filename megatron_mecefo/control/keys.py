@@ -110,6 +110,11 @@ def redone(gen: int, step: int, attempt: int) -> str:
     return f"redone/{gen}/{step}/{attempt}"
 
 
+def rollback(gen: int) -> str:
+    """Counter: the first rank of generation `gen` to find optimizer shards lost posts the event."""
+    return f"rollback/{gen}"
+
+
 def inject_claim(rank: int, step: int) -> str:
     """The incarnation of `rank` that fired its injection of `step` (each fires once per job)."""
     return f"inject_claim/{rank}/{step}"

@@ -50,6 +50,7 @@ EVENT_TYPES = (
     "node_replaced",
     "step_redone",
     "shard_adopt",
+    "rollback",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

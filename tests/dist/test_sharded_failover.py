@@ -114,8 +114,8 @@ def test_two_kills_at_one_step(tmp_path, demo_data_dir, reference):
     assert_same_curve(res, reference, steps)
 
 
-def test_both_copies_lost_stops_with_one_line(tmp_path, demo_data_dir):
-    # replicas 1 and 2 both hold shard 1: no exact copy is left
+def test_both_copies_lost_without_saved_state_stops_with_one_line(tmp_path, demo_data_dir):
+    # replicas 1 and 2 both hold shard 1: no exact copy is left, and nothing is saved
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -123,11 +123,33 @@ def test_both_copies_lost_stops_with_one_line(tmp_path, demo_data_dir):
         inject=("kill:1:5:3", "kill:2:5:3"),
         overrides=SHARDED,
     )
-    assert res.returncode != 0, res.explain()
-    assert "optimizer shards [1] have no exact copy at step 5" in res.output, res.explain()
+    assert res.returncode == 8, res.explain()  # JOB_ABORTED
+    line = "optimizer shards [1] have no exact copy at step 5"
+    assert line in res.output and "neither snapshots nor checkpoints" in res.output, res.explain()
     aborts = [e for e in res.events() if e["type"] == "abort"]
     assert aborts and "no exact copy" in aborts[0]["detail"]
     assert [m["step"] for m in res.metrics()] == list(range(5))  # nothing after, nothing guessed
+
+
+def test_both_copies_lost_rolls_back_to_the_checkpoint(tmp_path, demo_data_dir, reference):
+    steps = 20
+    ck = ("checkpoint.interval=5", "checkpoint.async_save=false")
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("kill:1:7", "kill:2:7"),
+        overrides=(*SHARDED, *ck),
+    )
+    assert res.returncode == 0, res.explain()
+    rollback = [e for e in res.events() if e["type"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["step"] == 7, rollback
+    assert "rolling back to the newest saved state" in res.output
+    assert "recovered the state of step 5 from disk checkpoint" in res.output, res.explain()
+    assert [m["step"] for m in res.metrics()] == list(range(steps))  # 5 and 6 kept once
+    # exact state from the checkpoint on: the failure-free curve (up to the reduction order of
+    # however many replicas have rejoined)
+    assert_same_curve(res, reference, steps)
 
 
 def _after_steps(run_dir: Path, n: int) -> None:

@@ -117,6 +117,7 @@ class FailoverManager(RunControl):
         )
         self.sync.before_transfer = before_transfer
         self.sync.posts_shard_events = self.position == 0
+        self.sync.can_recover = cfg.snapshot.interval > 0 or cfg.checkpoint.interval > 0
         self.regroup = Regroup(
             self.plane,
             self.membership,

@@ -10,8 +10,10 @@ step is agreed (`transfer.py`), this brings every shard to its new holders:
    (p2p, tag 1000 + shard); that is adoption after a death and hand-back after a rejoin;
 3. a shard with no live copy is read from the checkpoint every member loaded at that step, or,
    at step 0, rebuilt from the (identical) initial parameters;
-4. otherwise there is no exact source: the job is aborted with one line naming the shards
-   (a rollback to an older exact state is not implemented); approximate state is never used;
+4. otherwise there is no exact source, and approximate state is never used: every rank rolls
+   back (exits to be restarted, and the recovery order loads the newest snapshot or checkpoint,
+   whose shards are exact), or, with neither enabled or after such a recovery, the job stops
+   with one line naming the shards (`transfer.StateSync._shards_lost`);
 5. holders drop the shards they no longer hold, and the primaries all-gather the parameters.
 """
 
@@ -38,12 +40,14 @@ def sync_shards(
     p2p: Callable[[Any, str], None],
     collective: Callable[[torch.Tensor], None],
     abort: Callable[[str], None],
+    lost_handler: Callable[[list[int]], None],
 ) -> dict[str, Any]:
     """Move shards to the placement of `membership.members` (collective over the members).
 
     `mine`: this member's state step (it holds valid shards iff `mine == best`). `p2p(work,
     what)` waits for a send or receive (raises on a lost peer); `collective(t)` SUM-all-reduces
-    `t` (raises); `abort(reason)` ends the job. Returns what moved (for events and benchmarks).
+    `t` (raises); `abort(reason)` ends the job; `lost_handler(shards)` is called (and must raise)
+    when shards have no exact source. Returns what moved (for events and benchmarks).
     """
     m = membership
     members = tuple(m.members)
@@ -69,11 +73,7 @@ def sync_shards(
         else:
             lost.append(s)
     if lost:
-        abort(
-            f"optimizer shards {lost} have no exact copy at step {best}: every replica that "
-            f"held them is gone (failover.shard_copies={opt.copies}) and no checkpoint of that "
-            "step is loaded; resume from the last checkpoint (training.use_distributed_optimizer)"
-        )
+        lost_handler(lost)
     works, received, sending, moved = [], {}, [], 0
     for s in range(n):
         live = [j for j in range(size) if have[j, s]]

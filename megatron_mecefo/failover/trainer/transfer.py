@@ -18,7 +18,7 @@ import torch
 
 from megatron_mecefo.control import keys
 from megatron_mecefo.control.records import post_event
-from megatron_mecefo.errors import JobAbortedError
+from megatron_mecefo.errors import JobAbortedError, ShardsLostError
 from megatron_mecefo.failover.trainer.collectives import wait_work
 from megatron_mecefo.failover.trainer.plane import ControlPlane, Superseded
 from megatron_mecefo.failover.trainer.shards import sync_shards
@@ -54,6 +54,10 @@ class StateSync:
         """Called by a sender or receiver just before a transfer (failure injection at rejoin)."""
         self.rejoin_bytes = 0
         self.rejoin_s: float | None = None
+        self.can_recover = False
+        """Snapshots or checkpoints are enabled (a rollback has somewhere to go)."""
+        self.recovered = False
+        """This process loaded its state from the recovery order (snapshot, parity, disk)."""
         self.posts_shard_events = True
         """This rank posts the `shard_adopt` event of its DP group (one per replica position:
         the manager sets it for position 0)."""
@@ -87,6 +91,7 @@ class StateSync:
             p2p=lambda work, what: self._p2p(work, what, gen, deadline),
             collective=collective,
             abort=self._abort,
+            lost_handler=lambda lost: self._shards_lost(lost, best, gen),
         )
         m.begin_attempt()
         if not engine.optimizer.gather_params():
@@ -114,6 +119,33 @@ class StateSync:
                 f"{1000 * moved['seconds']:.0f} ms); this replica holds {mine}"
             )
 
+    def _shards_lost(self, lost: list[int], best: int, gen: int) -> None:
+        """No exact copy of optimizer shards `lost` is left at step `best` (every holder died at
+        once). Roll every rank back to the newest saved state, or stop; never guess."""
+        what = (
+            f"optimizer shards {lost} have no exact copy at step {best}: every replica that held "
+            "them was lost at once"
+        )
+        if self.recovered or not self.can_recover:
+            why = (
+                "the recovered state does not cover them either"
+                if self.recovered
+                else "neither snapshots nor checkpoints are enabled"
+            )
+            self._abort(f"{what}, and {why}")
+        store = self.plane.store
+        if store.add(keys.rollback(gen), 1) == 1:
+            post_event(
+                store,
+                "rollback",
+                step=best,
+                dp_rank=None,
+                generation=gen,
+                detail=f"{what}: every rank restarts from the newest snapshot or checkpoint",
+            )
+        self.log(f"[failover] rank {self.rank}: {what}; rolling back to the newest saved state")
+        raise ShardsLostError(what)
+
     def _sync_state(self, engine: Any, gen: int, deadline: float) -> int:
         """The newest state step among members, after sending it to those that lack it."""
         m = self.membership
@@ -122,6 +154,7 @@ class StateSync:
             recovered = self.recover()
             if recovered is not None:
                 self.plane.next_step, self.has_state = recovered, True
+                self.recovered = True
                 post_event(
                     self.plane.store,
                     "recovery",

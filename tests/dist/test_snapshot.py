@@ -80,7 +80,10 @@ def test_every_trainer_killed_resumes_from_shared_memory(tmp_path, demo_data_dir
     assert _digests(res) == _digests(straight)  # and the final model and optimizer
 
 
-def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_root):
+def _node_1_memory_lost_after_three_deaths(shm_root):
+    """A `while_running` hook: once every trainer of the 3 nodes has died, SIGKILL node 1's
+    snapshot process and delete its shared memory."""
+
     def lose_node_1(procs, run_dir):
         deadline = time.monotonic() + 200
         while time.monotonic() < deadline:  # every trainer has been killed
@@ -96,6 +99,12 @@ def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_ro
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
         shutil.rmtree(node1)
+
+    return lose_node_1
+
+
+def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_root):
+    lose_node_1 = _node_1_memory_lost_after_three_deaths(shm_root)
 
     res = launch_nodes(
         tmp_path,
@@ -230,21 +239,7 @@ def test_sharded_optimizer_state_is_rebuilt_from_parity(tmp_path, demo_data_dir,
     replicas 0-1 and 1-2) recoverable only through parity."""
     sharded = (*SNAP, "training.use_distributed_optimizer=true", "failover.audit=true")
 
-    def lose_node_1(procs, run_dir):
-        deadline = time.monotonic() + 200
-        while time.monotonic() < deadline:
-            ev = run_dir / "events.jsonl"
-            if ev.exists() and ev.read_text().count('"failure"') >= 3:
-                break
-            time.sleep(0.05)
-        node1 = next(shm_root.glob("mecefo-*")) / "node0001"
-        pids = subprocess.run(
-            ["pgrep", "-f", f"snapshot.smp --dir {node1}"], capture_output=True, text=True
-        ).stdout.split()
-        assert pids, "node 1 has no snapshot process"
-        for pid in pids:
-            os.kill(int(pid), signal.SIGKILL)
-        shutil.rmtree(node1)
+    lose_node_1 = _node_1_memory_lost_after_three_deaths(shm_root)
 
     res = launch_nodes(
         tmp_path,

@@ -34,6 +34,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its section modules, when loaded by path
+from report_markdown import _f, _scale, _table  # noqa: E402
+from report_sharded import section_sharded_optimizer  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 SIM = ("-m", "megatron_mecefo.sim.cli")
 STRATEGIES = "ckpt,snapshot,mecefo:neighbor,mecefo:spread,mecefo:hybrid"
@@ -247,6 +251,13 @@ TOOLS = (
         "tools/bench/pipeline.py",
         ("--models", "tiny", "small"),
         ("--models", "small", "--reps", "3"),
+    ),
+    Tool(
+        "sharded_optimizer",
+        "distributed optimizer vs replicated",
+        "tools/bench/sharded_optimizer.py",
+        ("--repeats", "2"),  # tiny and small, DP 1 2 4, step time at DP 4, both failovers
+        ("--quick",),  # step time at DP 2 and 25 steps
     ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]
@@ -525,10 +536,6 @@ def snapshot_rows(recovery: dict) -> list[dict]:
     return rows
 
 
-def _scale(v, k):
-    return None if v is None else v * k
-
-
 # ------------------------------------------------------------------------------------ plots
 def _figure(title: str, ylabel: str):
     import matplotlib
@@ -644,22 +651,6 @@ def save_png(fig, path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------ markdown
-def _f(v, spec: str = ".2f", suffix: str = "") -> str:
-    """A number for a table cell; '-' when absent or not finite."""
-    if v is None:
-        return "-"
-    if not isinstance(v, (int, float)):
-        raise TypeError(f"expected a number, got {v!r}")  # the section says "not measured"
-    if isinstance(v, float) and not math.isfinite(v):
-        return "inf"
-    return f"{v:{spec}}{suffix}"
-
-
-def _table(headers: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    return out + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows] + [""]
-
-
 @dataclass
 class ReportContext:
     """What the sections read: the tools' JSONs, the manifest, where plots go."""
@@ -1422,6 +1413,7 @@ SECTIONS = (
     ("Degraded-mode step time per rank", section_degraded),
     ("Takeover granularity per rank", section_granularity),
     ("Covering pipeline step time (PP 2)", section_pipeline),
+    ("Distributed optimizer (ZeRO-1) vs replicated", section_sharded_optimizer),
 )
 
 

@@ -397,6 +397,7 @@ ALL_SECTIONS = [
     "Degraded-mode step time per rank",
     "Takeover granularity per rank",
     "Covering pipeline step time (PP 2)",
+    "Distributed optimizer (ZeRO-1) vs replicated",
 ]
 """Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
 
@@ -485,3 +486,111 @@ def test_convergence_study_section_renders_committed_studies(tmp_path, monkeypat
     assert row in md
     assert "`python c.py --seeds 1 2 3` (2026-11-25)" in md
     assert "| skip+lowrank |" in md  # the planner's shipped table
+
+
+def _mem_row(model: str, dp: int, params: int) -> dict:
+    """A sharded_optimizer.py memory row of fp32 on CPU: 8 bytes/param replicated, 12/DP."""
+    row = {"model": model, "dp": dp, "params": params, "numel": params, "copies_x2": min(dp, 2)}
+    for kind, per_param in (("replicated", 8), ("sharded", 12 / dp), ("sharded_x2", 24 / dp)):
+        per_param = 12 if kind == "sharded_x2" and dp == 1 else per_param
+        row[f"{kind}_bytes"] = int(per_param * params)
+        row[f"{kind}_bytes_per_param"] = per_param
+        row[f"{kind}_master_bytes"] = 0 if kind == "replicated" else int(per_param * params / 3)
+    row["sharded_over_replicated"] = row["sharded_bytes"] / row["replicated_bytes"]
+    return row
+
+
+def _step_row(config: str, step_s: float, rounds: list, vs_rep: float, vs_sh: float, snap=None):
+    return {"model": "small", "config": config, "dp": 4, "step_s": step_s,
+            "step_s_by_round": rounds, "vs_replicated": vs_rep, "vs_sharded": vs_sh,
+            "snapshot": snap, "error": None}  # fmt: skip
+
+
+def _failover_run(scenario: str, detail: str, replaced: bool) -> dict:
+    events = [{"type": "rejoin", "generation": 3, "bytes": 690000, "latency_ms": 320.0}] * (
+        2 if replaced else 1
+    )
+    moves = [
+        {"generation": 2, "step": 5, "bytes": 988032, "transfer_ms": 5.8, "regroup_ms": 588.6,
+         "regroup_detail": f"failure: members [0, 1], removed [{detail}], added []",
+         "rejoin_ms": None, "rejoin_state_bytes": None},
+        {"generation": 3, "step": 15, "bytes": 988032, "transfer_ms": 20.7, "regroup_ms": None,
+         "regroup_detail": f"join: members [0, 1, 2, 3], removed [], added [{detail}]",
+         "rejoin_ms": 320.0, "rejoin_state_bytes": 690000 * len(events)},
+    ]  # fmt: skip
+    types = ["regroup", "rejoin", "shard_adopt"] + (["node_replaced"] if replaced else [])
+    audit = {"audited_steps": 40, "always_held": True, "max_holders": 2, "holders_agree": True,
+             "own_held_at_end": True}  # fmt: skip
+    return {"scenario": scenario, "exit_code": 0, "ok": True, "steps_logged": 40,
+            "detection_ms": 369.5, "moves": moves, "regroups_without_shard_adopt": [],
+            "event_types": types, "steps_redone": 1, "final_replicas": 4, "audit": audit,
+            "events": events}  # fmt: skip
+
+
+SHARDED_OPTIMIZER = {
+    "args": {"step_dp": 4, "micro_batch_size": 8, "num_microbatches": 2, "steps": 40,
+             "warmup": 10, "repeats": 2, "failover_steps": 40, "kill_at": 5, "standby": 1},
+    "machine": {"cpus": 2},
+    "loadavg_1m": [10.5, 11.3],
+    "memory": [_mem_row("small", 1, 3426560), _mem_row("small", 4, 3426560)],
+    "step_time": [
+        _step_row("replicated", 2.144, [1.957, 2.331], 1.0, 1.128),
+        _step_row("sharded", 1.9006, [1.940, 1.862], 0.886, 1.0),
+        _step_row("sharded+snapshot", 1.7956, [1.732, 1.860], 0.837, 0.945,
+                  {"bytes": 24010090, "mean_copy_ms": 49.16, "blocked_s": 0.0028}),
+    ],
+    "failover": [_failover_run("kill rank 2", "2", False),
+                 _failover_run("lose node 1", "2, 3", True)],
+}  # fmt: skip
+
+
+def _sharded_section(tmp_path, data=SHARDED_OPTIMIZER) -> str:
+    md = _build(tmp_path, sharded_optimizer=data)
+    return md.split("## Distributed optimizer (ZeRO-1) vs replicated", 1)[1].split("\n## ")[0]
+
+
+def test_sharded_optimizer_section_tables_and_reading(tmp_path):
+    sec = _sharded_section(tmp_path)
+    assert "| small | 3,426,560 | 4 | 27.412 MB (8.00) | 10.280 MB (3.00) | 20.559 MB (6.00) " \
+           "| 0.38 |" in sec  # fmt: skip
+    assert "static DP 4 (torchrun, 4 ranks on the 2 cores), micro-batch 8 x 2 per replica, " \
+           "median of steps 10-39, median of 2 interleaved rounds" in sec  # fmt: skip
+    assert "| small | replicated | 2144.0 ms (1957, 2331) | 1.000 | 1.128 | - | - |" in sec
+    assert "| small | sharded + snapshot every step | 1795.6 ms (1732, 1860) | 0.837 | 0.945 " \
+           "| 24.01 MB | 49.2 ms |" in sec  # fmt: skip
+    assert "| kill rank 2 | 370 ms | gen 2: rank 2 removed | 5 | 0.988 | 6 ms | 589 ms | - |" in sec
+    assert "|  |  | gen 3: rank 2 rejoins | 15 | 0.988 | 21 ms | - | 320 ms (0.69 MB of state) |" \
+        in sec  # fmt: skip
+    assert "gen 3: standby takes ranks 2, 3 | 15 | 0.988 | 21 ms | - | 320 ms (2 x 0.69 MB " in sec
+    assert "Both runs finished all 40 steps at 4 replicas, with one step redone each." in sec
+    assert "at most 2, and its holders agreed bit for bit" in sec
+    reading = sec.split("**Reading.** ", 1)[1]
+    assert "So it costs 1.5x at DP 1, breaks even at DP 1.5, and holds 0.375x at DP 4." in reading
+    assert "(24/DP: 6 bytes/param at DP 4, still 0.75x of replicated fp32)" in reading
+    assert "Four ranks time-share 2 cores." in reading
+    assert "differ by up to 19% (small replicated: 1957 vs 2331 ms)" in reading
+    assert 'So "sharded is 11% faster" is noise, not a result' in reading
+    assert "(small: 24.0 MB per rank; the replicated state alone would be 27.4 MB on top of " \
+           "the 13.7 MB of parameters)" in reading  # fmt: skip
+    assert "49 ms per copy, and 3 ms of waiting in total over 40 steps" in reading
+    assert "takes 6-21 ms. That is at most 1% of failure -> regroup" in reading
+    assert "A rejoining rank receives 0.69 MB of state, then its shards." in reading  # no tiny row
+    assert "Every regroup of these runs wrote a `shard_adopt` event." in reading
+    assert "sharded_optimizer.py --repeats 2 --out" in sec  # the Tool's command
+
+
+def test_sharded_optimizer_reading_follows_the_numbers(tmp_path):
+    """Rounds that agree make the step-time ratios a result; a failed audit and a regroup
+    without shard_adopt are said, not the clean-run sentences."""
+    data = json.loads(json.dumps(SHARDED_OPTIMIZER))
+    for row in data["step_time"]:
+        row["step_s_by_round"] = [row["step_s"], row["step_s"] * 1.01]
+    run = data["failover"][1]
+    run["audit"]["holders_agree"] = False
+    run["regroups_without_shard_adopt"] = [3]
+    sec = _sharded_section(tmp_path, data)
+    assert "Sharded over replicated step: 0.886, beyond the 1% between rounds" in sec
+    assert "is noise" not in sec
+    assert "Shard audit of lose node 1: the holders of a shard disagreed." in sec
+    assert "Shard audit of kill rank 2: clean." in sec
+    assert "Regroups that wrote no `shard_adopt` event: lose node 1: generation(s) 3." in sec

@@ -94,7 +94,8 @@ def test_kill_adopts_and_hands_back(tmp_path, demo_data_dir, reference):
     assert_shards_exact(res, reference, steps=steps, clean_before=5)
     assert_same_curve(res, reference, steps)
     moves = [e for e in res.events() if e["type"] == "shard_adopt"]
-    assert len(moves) == 2, moves  # adopted after the death, handed back at the rejoin
+    # adopted after the death (at the step it died in), handed back at the rejoin
+    assert len(moves) >= 2 and moves[0]["step"] == 5 and moves[-1]["step"] > 5, moves
     assert all(e["bytes"] > 0 for e in moves)
 
 

@@ -93,9 +93,8 @@ class StateSync:
             abort=self._abort,
             lost_handler=lambda lost: self._shards_lost(lost, best, gen),
         )
-        m.begin_attempt()
-        if not engine.optimizer.gather_params():
-            raise Superseded(self.plane.wait_newer_generation(gen, deadline))
+        # recorded before the gather: a gather that fails is redone in the next generation,
+        # where nothing moves any more
         self.shard_moves.append(moved)
         if moved["bytes"] and m.position == 0 and self.posts_shard_events:
             post_event(
@@ -118,6 +117,9 @@ class StateSync:
                 f"{list(m.members)} ({moved['bytes'] / 1e6:.2f} MB moved in "
                 f"{1000 * moved['seconds']:.0f} ms); this replica holds {mine}"
             )
+        m.begin_attempt()
+        if not engine.optimizer.gather_params():
+            raise Superseded(self.plane.wait_newer_generation(gen, deadline))
 
     def _shards_lost(self, lost: list[int], best: int, gen: int) -> None:
         """No exact copy of optimizer shards `lost` is left at step `best` (every holder died at

@@ -102,9 +102,10 @@ class Recovery:
         unique = {(c.source, c.step): c for c in found}.values()  # both slots may hold a step
         return sorted(unique, key=lambda c: (-c.step, c.source == "disk"))
 
-    def load(self, engine, ckpt: CheckpointManager) -> int | None:
+    def load(self, engine, ckpt: CheckpointManager, at_most: int | None = None) -> int | None:
         """Load the newest state every rank of the `agree_min` group can load; returns its next
-        step, or None when no rank has any state (a fresh start).
+        step, or None when no rank has any state (a fresh start). `at_most`: ignore newer steps
+        (failover with the distributed optimizer brings every replica to one step).
 
         All ranks run the same rounds: they agree on the newest step s anyone might still load
         (the minimum of each rank's best), each loads its own candidate of step s, and if any
@@ -114,7 +115,7 @@ class Recovery:
         Raises:
             CheckpointError: some rank has state but no step could be loaded by all of them.
         """
-        remaining = self.candidates()
+        remaining = [c for c in self.candidates() if at_most is None or c.step <= at_most]
         self._listed = None  # a later load lists again (state may have been written since)
         self.resume = "auto"  # a later load (an in-job recovery) continues the current line
         had_state = int(bool(remaining))

@@ -231,7 +231,9 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
         identity=identity,
     )
     snapshots.attach(engine)
-    start_step = control.start(engine, lambda: recovery.load(engine, ckpt))
+    start_step = control.start(
+        engine, lambda at_most=None: recovery.load(engine, ckpt, at_most=at_most)
+    )
     if start_step is None:
         print(f"rank {control.rank}: the job finished before this rank could rejoin", flush=True)
         return ExitCode.OK

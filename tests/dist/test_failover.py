@@ -94,13 +94,14 @@ def test_sigkill_spread_equals_failure_free_and_rejoins(tmp_path, demo_data_dir,
 
 
 def test_sigstop_hang_neighbor_takeover(tmp_path, demo_data_dir):
-    steps = 16
+    steps = 40  # detection takes 3 s: the job must outlast it and the restart
     res = launch(
         tmp_path,
         demo_data_dir,
         steps=steps,
         inject=("hang:1:5:3",),
         overrides=("mecefo.takeover_policy=neighbor",),
+        launch_args=("--warm-spares", "1"),
     )
     assert_recovered(res, steps=steps)
     failure = next(e for e in res.events() if e["type"] == "failure")

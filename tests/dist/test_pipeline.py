@@ -14,7 +14,7 @@ from tests.helpers.launch import launch, launch_nodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS = 30
+STEPS = 80  # a standby takes a lost node's ranks after seconds: the job must outlast that
 PP2 = ("parallel.pipeline_model_parallel_size=2", "mecefo.takeover_policy=spread")
 
 

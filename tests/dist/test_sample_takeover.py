@@ -111,12 +111,17 @@ SAMPLE_SPREAD = ("mecefo.takeover_policy=spread", "mecefo.takeover_granularity=s
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_spread_at_sample_granularity_equals_failure_free(tmp_path, demo_data_dir):
-    steps, mbs, replicas = 16, 4, 4  # tests/helpers/launch.py runs micro-batches of 4
+    steps, mbs, replicas = 40, 4, 4  # tests/helpers/launch.py runs micro-batches of 4
     ref = launch(tmp_path, demo_data_dir, steps=steps, overrides=SAMPLE_SPREAD, name="ref")
     assert ref.returncode == 0, ref.explain()
     assert ref.summary()["failover"]["failures"] == 0
     res = launch(
-        tmp_path, demo_data_dir, steps=steps, inject=("kill:2:5:3",), overrides=SAMPLE_SPREAD
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("kill:2:5:3",),
+        overrides=SAMPLE_SPREAD,
+        launch_args=("--warm-spares", "1"),  # the restarted rank rejoins before the end
     )
     assert res.returncode == 0, res.explain()
     assert [m["step"] for m in res.metrics()] == list(range(steps)), res.explain()

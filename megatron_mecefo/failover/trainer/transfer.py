@@ -47,9 +47,9 @@ class StateSync:
         self.has_state = has_state
         """This process holds the job's state (a first incarnation, or one that received it)."""
         self.log = log
-        self.recover: Callable[[], int | None] | None = None
-        """() -> next step or None: the recovery order (snapshot, parity, disk), used when no
-        member holds live state (every replica was lost at once)."""
+        self.recover: Callable[..., int | None] | None = None
+        """(at_most=None) -> next step or None: the recovery order (snapshot, parity, disk), used
+        when no member holds live state (every replica was lost at once)."""
         self.before_transfer: Callable[[], None] | None = None
         """Called by a sender or receiver just before a transfer (failure injection at rejoin)."""
         self.rejoin_bytes = 0
@@ -168,6 +168,8 @@ class StateSync:
                     detail=f"no live replica: loaded step {recovered} locally",
                 )
             best, steps = self._exchange_steps(self._mine(), gen, deadline)
+            if self.recovered and is_sharded(engine.optimizer):
+                best, steps = self._one_recovered_step(best, steps, gen, deadline)
         if best < 0:  # a joiner whose only source died mid-transfer, with nothing saved
             self._abort(
                 "no live replica holds the training state to rejoin from, and none is saved"
@@ -185,6 +187,26 @@ class StateSync:
         elif m.position in receivers:
             self._receive(engine, best, source, gen, deadline)
         return best
+
+    def _one_recovered_step(self, best: int, steps: torch.Tensor, gen: int, deadline: float):
+        """Every replica recovered its own newest state; with the distributed optimizer each holds
+        only its shards, so all must stand on one step: those ahead load the oldest step any
+        member recovered (a snapshot keeps two slots), a few rounds at most."""
+        for _ in range(3):
+            have = [int(s) for s in steps if int(s) >= 0]
+            low = min(have, default=-1)
+            if low == best:
+                break
+            if self._mine() > low:
+                self.log(
+                    f"[failover] rank {self.rank}: another replica recovered step {low} only; "
+                    f"loading step {low} instead of {self._mine()} (sharded optimizer state)"
+                )
+                step = self.recover(low)
+                self.plane.next_step = step if step is not None else -1
+                self.has_state = step is not None
+            best, steps = self._exchange_steps(self._mine(), gen, deadline)
+        return best, steps
 
     def _mine(self) -> int:
         return self.plane.next_step if self.has_state else -1

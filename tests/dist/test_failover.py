@@ -152,9 +152,13 @@ def test_exception_then_two_simultaneous_kills_hybrid(tmp_path, demo_data_dir):
         e["dp_rank"] for e in res.events() if e["type"] == "failure" and "injected" in e["detail"]
     )
     assert failed == Counter({3: 1, 1: 1, 2: 1})
-    gens = [e for e in res.events() if e["type"] == "regroup" and "removed [1, 2]" in e["detail"]]
-    regroups = [e["detail"] for e in res.events() if e["type"] == "regroup"]
-    assert gens, f"the two kills at the same step were not decided in one generation: {regroups}"
+    # both deaths are decided before the step they died in is redone: one generation, or (a
+    # loaded machine sees the second exit a few hundred ms later) a newer one that supersedes it
+    # before it forms; either way the first plan after the kills covers both
+    takeovers = [e for e in res.events() if e["type"] == "takeover" and e["step"] >= 9]
+    assert takeovers and "dead [1, 2]" in takeovers[0]["detail"], [
+        (e["step"], e["detail"]) for e in res.events() if e["type"] in ("regroup", "takeover")
+    ]
 
 
 def test_covering_rank_fails(tmp_path, demo_data_dir):

@@ -37,11 +37,11 @@ def _sharded_state(engine: Any, next_step: int, *, is_loading: bool, with_rng: b
     if not is_sharded(engine.optimizer):  # sharded: per-shard files (`optim/shard_files.py`)
         state["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
     if with_rng:  # one RNG state per (PP stage, TP rank); without PP the earlier (TP,) shape
-        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        pp, pp_rank = (
+        tp, pp = (
+            ps.get_tensor_model_parallel_world_size(),
             ps.get_pipeline_model_parallel_world_size(),
-            ps.get_pipeline_model_parallel_rank(),
         )
+        pp_rank, tp_rank = stage_and_tp_rank()
         shape, offset = ((tp,), (tp_rank,)) if pp == 1 else ((pp, tp), (pp_rank, tp_rank))
         state["rng"] = ShardedObject(
             "rng_state",

@@ -72,6 +72,15 @@ def missing(folder, pp_size: int, tp_size: int, num_shards: int) -> list[str]:
 def read(folder, layout: FlatLayout, pp: int, tp: int, shard: int) -> tuple[int, dict]:
     """(step count, {master, exp_avg, exp_avg_sq}) of `shard` of `layout`, cut from whatever
     shard count the folder was written with."""
+    step, out = read_shards(folder, layout, pp, tp, [shard])
+    return step, out[shard]
+
+
+def read_shards(
+    folder, layout: FlatLayout, pp: int, tp: int, shards: list[int]
+) -> tuple[int, dict[int, dict]]:
+    """`read` for several shards, loading each file once (and checking every file's layout and
+    step)."""
     found = present(folder, pp, tp)
     complete = [n for n, files in found.items() if len(files) == n]
     if not complete:
@@ -79,10 +88,13 @@ def read(folder, layout: FlatLayout, pp: int, tp: int, shard: int) -> tuple[int,
             f"{folder} has no complete set of optimizer shards for stage {pp}, TP rank {tp}"
         )
     files = found[max(complete)]
-    lo, hi = layout.shard_range(shard)
-    out = {k: torch.empty(hi - lo, dtype=torch.float32) for k in FIELDS}
+    ranges = {shard: layout.shard_range(shard) for shard in shards}
+    out = {
+        shard: {k: torch.empty(hi - lo, dtype=torch.float32) for k in FIELDS}
+        for shard, (lo, hi) in ranges.items()
+    }
+    filled = dict.fromkeys(shards, 0)
     steps = set()
-    filled = 0
     for s in sorted(files):
         data = torch.load(files[s], map_location="cpu", weights_only=True)
         if data["signature"] != layout.signature() or data["numel"] != layout.numel:
@@ -91,13 +103,15 @@ def read(folder, layout: FlatLayout, pp: int, tp: int, shard: int) -> tuple[int,
                 f"{data['signature']}, this run {layout.signature()}): the model, TP or PP differ"
             )
         steps.add(int(data["step"]))
-        a, b = max(lo, data["lo"]), min(hi, data["hi"])
-        if a < b:
-            for k in FIELDS:
-                out[k][a - lo : b - lo].copy_(data[k][a - data["lo"] : b - data["lo"]])
-            filled += b - a
+        for shard, (lo, hi) in ranges.items():
+            a, b = max(lo, data["lo"]), min(hi, data["hi"])
+            if a < b:
+                for k in FIELDS:
+                    out[shard][k][a - lo : b - lo].copy_(data[k][a - data["lo"] : b - data["lo"]])
+                filled[shard] += b - a
     if len(steps) != 1:
         raise ShardFileError(f"{folder}: optimizer shards of different steps {sorted(steps)}")
-    if filled != hi - lo:
-        raise ShardFileError(f"{folder}: the shard files do not cover [{lo}, {hi})")
+    for shard, (lo, hi) in ranges.items():
+        if filled[shard] != hi - lo:
+            raise ShardFileError(f"{folder}: the shard files do not cover [{lo}, {hi})")
     return steps.pop(), out

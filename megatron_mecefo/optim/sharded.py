@@ -225,7 +225,6 @@ class ShardedOptimizer:
             t.numel() * t.element_size() for st in self.held.values() for t in st.tensors().values()
         )
 
-    # ------------------------------------------------------------------ state
     # ------------------------------------------------------------------ checkpoints
     def write_served(self, folder: str, pp: int, tp: int) -> list[int]:
         """Write the shards this replica serves into `folder` (every member calls this: each
@@ -243,22 +242,28 @@ class ShardedOptimizer:
         """Take the step count and (once placed) the held shards from `folder`'s shard files."""
         from megatron_mecefo.optim import shard_files
 
-        self.step_count, _ = shard_files.read(folder, self.layout, pp, tp, 0)
+        mine = [] if self.where is None else place.held_by(self.membership.replica, self.where)
+        # every file is read (and checked) once; unplaced, shard 0 stands in for the step count
+        self.step_count, got = shard_files.read_shards(
+            folder, self.layout, pp, tp, list(mine) or [0]
+        )
         if self.where is None:
             self.disk = (str(folder), self.step_count, pp, tp)
             return
-        for s in place.held_by(self.membership.replica, self.where):
-            step, tensors = shard_files.read(folder, self.layout, pp, tp, s)
-            self.held[s] = ShardState(**{k: v.to(self.device) for k, v in tensors.items()})
+        for s in mine:
+            self.held[s] = self._on_device(got[s])
 
     def read_disk(self, shard: int) -> ShardState:
         """Shard `shard` from the checkpoint `load_checkpoint` recorded."""
         from megatron_mecefo.optim import shard_files
 
         folder, _, pp, tp = self.disk
-        _, tensors = shard_files.read(folder, self.layout, pp, tp, shard)
+        return self._on_device(shard_files.read(folder, self.layout, pp, tp, shard)[1])
+
+    def _on_device(self, tensors: dict[str, torch.Tensor]) -> ShardState:
         return ShardState(**{k: v.to(self.device) for k, v in tensors.items()})
 
+    # ------------------------------------------------------------------ state
     def meta(self) -> dict[str, Any]:
         return {"kind": KIND, "step": self.step_count, "layout": self.layout.describe()}
 

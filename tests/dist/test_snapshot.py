@@ -103,19 +103,23 @@ def _node_1_memory_lost_after_three_deaths(shm_root):
     return lose_node_1
 
 
-def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_root):
-    lose_node_1 = _node_1_memory_lost_after_three_deaths(shm_root)
-
-    res = launch_nodes(
+def _three_nodes_losing_node_1_memory(tmp_path, demo_data_dir, shm_root, overrides):
+    """Three nodes, every trainer SIGKILLed at step 8, then node 1's memory and snapshot process
+    lost: the launch's result."""
+    return launch_nodes(
         tmp_path,
         demo_data_dir,
         nnodes=3,
         steps=14,
-        overrides=SNAP,
+        overrides=overrides,
         inject=("kill:0:8", "kill:1:8", "kill:2:8"),
         launch_args=("--restart-delay-s", "3"),
-        while_running=lose_node_1,
+        while_running=_node_1_memory_lost_after_three_deaths(shm_root),
     )
+
+
+def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_root):
+    res = _three_nodes_losing_node_1_memory(tmp_path, demo_data_dir, shm_root, SNAP)
     assert res.returncode == 0, res.explain()
     assert "[smp 1] rebuilt this node's snapshot of step" in res.output, res.explain()
     assert "rank 1: recovered the state of step" in res.output
@@ -239,18 +243,7 @@ def test_sharded_optimizer_state_is_rebuilt_from_parity(tmp_path, demo_data_dir,
     replicas 0-1 and 1-2) recoverable only through parity."""
     sharded = (*SNAP, "training.use_distributed_optimizer=true", "failover.audit=true")
 
-    lose_node_1 = _node_1_memory_lost_after_three_deaths(shm_root)
-
-    res = launch_nodes(
-        tmp_path,
-        demo_data_dir,
-        nnodes=3,
-        steps=14,
-        overrides=sharded,
-        inject=("kill:0:8", "kill:1:8", "kill:2:8"),
-        launch_args=("--restart-delay-s", "3"),
-        while_running=lose_node_1,
-    )
+    res = _three_nodes_losing_node_1_memory(tmp_path, demo_data_dir, shm_root, sharded)
     assert res.returncode == 0, res.explain()
     assert "rebuilt from parity" in res.output, res.explain()
     assert [m["step"] for m in res.metrics()] == list(range(14))

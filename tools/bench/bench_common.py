@@ -177,6 +177,29 @@ def demo_job_args(
     ]
 
 
+def free_port() -> int:
+    """A free TCP port on localhost (for a spawned job's MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_demo(demo_dir: str | os.PathLike) -> None:
+    """The embedded demo corpus with the default data config, built into `demo_dir` if absent."""
+    from megatron_mecefo.data.config import DataConfig
+    from megatron_mecefo.data.demo import ensure_demo_corpus
+
+    d = DataConfig()
+    ensure_demo_corpus(
+        str(demo_dir),
+        num_documents=d.demo_num_documents,
+        seed=d.demo_seed,
+        vocab_size=d.demo_vocab_size,
+    )
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The rows of a JSON-lines file (events.jsonl, metrics.jsonl); [] when it does not exist,
     blank lines skipped."""

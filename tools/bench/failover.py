@@ -30,7 +30,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
-from bench_common import bench_parser, cell, demo_job_args, read_jsonl, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    bench_parser,
+    cell,
+    demo_job_args,
+    ensure_demo,
+    read_jsonl,
+    write_json,
+)
 
 SCENARIOS = {"kill": "kill:2:10:5", "hang": "hang:1:10:5", "exception": "exception:3:10:5"}
 
@@ -119,16 +126,7 @@ def main() -> int:
     if args.quick:
         args.steps, args.overhead_steps, args.repeats = 30, 80, 1
     sys.path.insert(0, str(ROOT))
-    from megatron_mecefo.data.config import DataConfig
-    from megatron_mecefo.data.demo import ensure_demo_corpus
-
-    d = DataConfig()
-    ensure_demo_corpus(
-        args.demo_dir,
-        num_documents=d.demo_num_documents,
-        seed=d.demo_seed,
-        vocab_size=d.demo_vocab_size,
-    )
+    ensure_demo(args.demo_dir)
     tmp = Path(tempfile.mkdtemp(prefix="mecefo-bench-failover-"))
     rows = []
     for kind, spec in {} if args.skip_failures else SCENARIOS.items():

@@ -27,7 +27,13 @@ for _path in (ROOT / "tools" / "bench", ROOT):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from bench_common import bench_parser, fastest_of_rounds, machine, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    bench_parser,
+    fastest_of_rounds,
+    free_port,
+    machine,
+    write_json,
+)
 
 STAGES = 2
 
@@ -129,12 +135,9 @@ def run_pipeline(args, model: str, limit_s: float = 3600.0) -> list[dict]:
     stage that dies is an error, not a hang."""
     import multiprocessing as mp
     import queue as queue_mod
-    import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [

@@ -53,6 +53,8 @@ from bench_common import (  # noqa: E402 - after the path fix
     bench_parser,
     cell,
     demo_job_args,
+    ensure_demo,
+    free_port,
     machine,
     median_of,
     write_json,
@@ -210,11 +212,8 @@ def spawn(fn, world: int, *args, limit_s: float = 600) -> list:
     rank that fails or a job past `limit_s` raises RuntimeError (the processes are killed)."""
     import multiprocessing as mp
     import queue as queue_mod
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
@@ -399,16 +398,7 @@ def print_step_time(rows: list[dict], args) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from megatron_mecefo.data.config import DataConfig
-    from megatron_mecefo.data.demo import ensure_demo_corpus
-
-    d = DataConfig()
-    ensure_demo_corpus(
-        args.demo_dir,
-        num_documents=d.demo_num_documents,
-        seed=d.demo_seed,
-        vocab_size=d.demo_vocab_size,
-    )
+    ensure_demo(args.demo_dir)
     load_start, t0 = os.getloadavg()[0], time.monotonic()
     doc: dict = {"args": vars(args), "machine": machine(), "command": " ".join(sys.argv)}
     tmp = Path(tempfile.mkdtemp(prefix="mecefo-bench-sharded-"))

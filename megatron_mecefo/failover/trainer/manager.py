@@ -132,8 +132,7 @@ class FailoverManager(RunControl):
         self.metrics_writer = lambda: self.is_leader
         self._plan_cache: tuple[tuple[int, ...], RankStepPlan | None] | None = None
         self._job_degraded = False
-        self._task_log = None
-        self._shard_log = None
+        self._audit_files: dict[str, Any] = {}  # audit kind -> its open jsonl file
 
     @property
     def store(self):
@@ -348,9 +347,8 @@ class FailoverManager(RunControl):
     def stop(self) -> None:
         if self.plane.hb is not None:
             self.plane.hb.stop()
-        for log in (self._task_log, self._shard_log):
-            if log is not None:
-                log.close()
+        for file in self._audit_files.values():
+            file.close()
 
     # ------------------------------------------------------------------ each step
     def begin_step(self, engine, step: int) -> RankStepPlan:
@@ -440,19 +438,19 @@ class FailoverManager(RunControl):
     def _log_shards(self, engine, next_step: int) -> None:
         """Each held shard's digest after a committed step: every holder of a shard, and a
         failure-free run, must agree at the same step."""
-        if self._shard_log is None:
-            path = Path(self.cfg.run_dir) / "audit" / f"shards_rank{self.rank}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._shard_log = open(path, "a", buffering=1)
         digests = {str(s): d for s, d in engine.optimizer.digests().items()}
         line = {"next_step": next_step, "replica": self.replica, "position": self.position}
-        self._shard_log.write(json.dumps({**line, "shards": digests}) + "\n")
+        self._audit("shards").write(json.dumps({**line, "shards": digests}) + "\n")
+
+    def _audit(self, kind: str):
+        """`run_dir/audit/<kind>_rank<R>.jsonl`, opened (line-buffered, appending) on first use."""
+        if kind not in self._audit_files:
+            path = Path(self.cfg.run_dir) / "audit" / f"{kind}_rank{self.rank}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._audit_files[kind] = open(path, "a", buffering=1)
+        return self._audit_files[kind]
 
     def _log_tasks(self, engine, step: int) -> None:
-        if self._task_log is None:
-            path = Path(self.cfg.run_dir) / "audit" / f"tasks_rank{self.rank}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._task_log = open(path, "a", buffering=1)
         plan = (self._plan_cache[1] if self._plan_cache else None) or engine.default_plan()
         # a slice adds its sample range: [replica, micro, degraded, start, stop]
         tasks = [
@@ -461,4 +459,4 @@ class FailoverManager(RunControl):
         ]
         line = {"step": step, "replica": self.replica, "inc": self.incarnation, "tasks": tasks}
         line["micro_batch_size"] = self.cfg.training.micro_batch_size
-        self._task_log.write(json.dumps(line) + "\n")
+        self._audit("tasks").write(json.dumps(line) + "\n")

@@ -61,8 +61,6 @@ class StateSync:
         self.posts_shard_events = True
         """This rank posts the `shard_adopt` event of its DP group (one per replica position:
         the manager sets it for position 0)."""
-        self.shard_moves: list[dict[str, Any]] = []
-        """What each regroup's shard placement moved (`shards.sync_shards`)."""
         self._started = time.monotonic()
 
     def _lost(self) -> str | None:
@@ -93,9 +91,8 @@ class StateSync:
             abort=self._abort,
             lost_handler=lambda lost: self._shards_lost(lost, best, gen),
         )
-        # recorded before the gather: a gather that fails is redone in the next generation,
-        # where nothing moves any more
-        self.shard_moves.append(moved)
+        # posted before the gather: a gather that fails is redone in the next generation, where
+        # nothing moves any more
         if moved["bytes"] and m.position == 0 and self.posts_shard_events:
             post_event(
                 self.plane.store,
@@ -110,12 +107,12 @@ class StateSync:
                     f"{moved['bytes'] / 1e6:.2f} MB moved in {1000 * moved['seconds']:.0f} ms"
                 ),
             )
-        mine = sorted(engine.optimizer.held)
         if moved["bytes"]:
             self.log(
                 f"[failover] rank {self.rank}: optimizer shards placed for members "
                 f"{list(m.members)} ({moved['bytes'] / 1e6:.2f} MB moved in "
-                f"{1000 * moved['seconds']:.0f} ms); this replica holds {mine}"
+                f"{1000 * moved['seconds']:.0f} ms); this replica holds "
+                f"{sorted(engine.optimizer.held)}"
             )
         m.begin_attempt()
         if not engine.optimizer.gather_params():

@@ -162,6 +162,7 @@ class CheckpointManager(TrainHook):
         self.log = log
         self._saves = None
         self._shards: int | None = None  # the optimizer shards a sharded save must find
+        self._queue_started = False
         self.stats: dict[str, Any] = {"saved": [], "failed": 0, "save_block_s": [], "resumed": None}
 
     @property
@@ -196,6 +197,17 @@ class CheckpointManager(TrainHook):
         return next_step
 
     # ------------------------------------------------------------------ hook
+    def before_step(self, engine, step: int) -> None:
+        if self._queue_started or not (self.enabled and self.cfg.async_save and self.saves_here()):
+            return
+        from megatron_mecefo.mcore import checkpointing
+
+        # megatron's result queue is a Manager process it spawns at the first async save: start
+        # it before training, so a job killed mid-run never kills one half-started (its server
+        # would print a BrokenPipeError traceback into the log)
+        checkpointing.start_writer_queue_ignoring_stop_signals()
+        self._queue_started = True
+
     def after_step(self, engine, result, record: dict[str, Any]) -> None:
         next_step = result.step + 1
         if record.get("stop_requested"):  # the final checkpoint of a stop, even with interval 0

@@ -72,10 +72,13 @@ def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 
             "multiprocessing.spawn" in cmd and trainer in procs.get(ppid, (0, "", ""))[2]
             for ppid, _, cmd in procs.values()
         )
-        writers = [  # a fork of a trainer: same command line as its parent
+        writers = [  # a fork of that trainer: same command line as its parent
             pid
             for pid, (ppid, _, cmd) in procs.items()
-            if "megatron_mecefo" in cmd and ppid in procs and procs[ppid][2] == cmd
+            if "megatron_mecefo" in cmd
+            and trainer in cmd
+            and ppid in procs
+            and procs[ppid][2] == cmd
         ]
         for pid in writers if spawned else ():
             try:

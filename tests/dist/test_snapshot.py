@@ -85,12 +85,16 @@ def _node_1_memory_lost_after_three_deaths(shm_root):
     snapshot process and delete its shared memory."""
 
     def lose_node_1(procs, run_dir):
+        # every trainer has been killed: each agent says so at once, before its restart delay
+        # (the events file is written later, by a trainer, so it can lag past that delay)
+        logs = [run_dir.parent / f"{run_dir.name}.node{n}.log" for n in range(3)]
         deadline = time.monotonic() + 200
-        while time.monotonic() < deadline:  # every trainer has been killed
-            ev = run_dir / "events.jsonl"
-            if ev.exists() and ev.read_text().count('"failure"') >= 3:
+        while time.monotonic() < deadline:
+            if all(log.exists() and "(incarnation 0) died" in log.read_text() for log in logs):
                 break
             time.sleep(0.05)
+        else:
+            raise AssertionError("the three trainers were not all seen dying")
         node1 = next(shm_root.glob("mecefo-*")) / "node0001"
         pids = subprocess.run(
             ["pgrep", "-f", f"snapshot.smp --dir {node1}"], capture_output=True, text=True

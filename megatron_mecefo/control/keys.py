@@ -1,6 +1,7 @@
 """The coordinator store's key schema and client connection (one place, so writers and readers
 agree). The store is torch's C++ `TCPStore`, served by `mecefo-coordinator`
-(`failover/authority/store_host.py`). The JSON records under some keys are `records.py`'s.
+(`failover/authority/store_host.py`), or an etcd cluster (`etcd_store.py`, `--store etcd`).
+The JSON records under some keys are `records.py`'s.
 
 Ranks are global ranks; replicas are logical DP indices (global rank // TP), stable for the whole
 job. A rank's *incarnation* counts its restarts (0 for the first process).
@@ -43,6 +44,8 @@ EVENT_SEQ = "ev/seq"
 """Counter of posted events; event i is under `ev/<i>` (1-based)."""
 COORD_EPOCH = "coord/epoch"
 """Bumped by each coordinator instance at start; an instance that sees a newer one stops."""
+COORD_LEADER = "coord/leader"
+"""etcd store only: the elected coordinator's candidate id, on its lease (`election.py`)."""
 COORD_STARTED = "coord/started"
 """Epoch time the first coordinator started (start timeout across coordinator restarts)."""
 COMMITTED = "job/committed"
@@ -76,8 +79,14 @@ STANDBY_LOG = "standby/log"
 """Ids of the agents that stood by at some time, appended as "<id>,"; their beats are under
 `standby(id)`."""
 
+AGENT_ALIVE = "agents/alive/"
+"""etcd store only: prefix of the agents' lease-held keys (`failover/node/node_lease.py`)."""
 AGENT_IDS = "agents/ids"
 """Counter handing each node agent a job-unique id (1-based) when it starts."""
+
+
+def agent_alive(agent_id: int) -> str:
+    return f"{AGENT_ALIVE}{agent_id}"
 
 
 def node_owner(node: int) -> str:
@@ -182,9 +191,14 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def connect(address: str, timeout_s: float):
-    """A new TCPStore client of the coordinator (one per thread: clients are not shared)."""
+    """A new client of the job's store (one per thread: clients are not shared): a TCPStore
+    client for `HOST:PORT`, an `EtcdStore` for `etcd://...` (`etcd_store.py`)."""
     import torch.distributed as dist
 
+    if address.startswith("etcd://"):
+        from megatron_mecefo.control.etcd_store import EtcdStore
+
+        return EtcdStore(address, timeout_s)
     host, port = parse_address(address)
     return dist.TCPStore(
         host,

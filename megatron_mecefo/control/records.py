@@ -65,8 +65,25 @@ class GenerationRecord:
         return replica in self.members and listed == incarnation
 
 
-def publish_generation(store, gen: int, record: GenerationRecord) -> None:
-    """The record first, then the counter that announces it."""
+class Fenced(RuntimeError):
+    """A coordinator's write was refused: a newer coordinator took over (etcd store)."""
+
+
+def publish_generation(store, gen: int, record: GenerationRecord, epoch: int | None = None) -> None:
+    """The record first, then the counter that announces it. On an etcd store, with the
+    coordinator's `epoch`, both are one transaction on the previous generation and that epoch:
+    a stale coordinator (one that a newer one superseded) publishes nothing and gets `Fenced`."""
+    if epoch is not None and hasattr(store, "txn_put"):
+        ok = store.txn_put(
+            {keys.GEN: str(gen - 1), keys.COORD_EPOCH: str(epoch)},
+            {keys.gen_record(gen): record.to_json(), keys.GEN: str(gen)},
+        )
+        if not ok:
+            raise Fenced(
+                f"generation {gen} not published: generation {gen - 1} or coordinator epoch "
+                f"{epoch} is no longer current"
+            )
+        return
     store.set(keys.gen_record(gen), record.to_json())
     store.set(keys.GEN, str(gen))
 

@@ -181,10 +181,12 @@ def launch_nodes(
     name: str = "run",
     while_running: Callable[[list[subprocess.Popen], Path], None] | None = None,
     standby: int = 0,
+    etcd: tuple[list[str], str] | None = None,
 ) -> LaunchResult:
     """`nnodes` agents on this machine, each a simulated node (node 0 starts the coordinator on
     a free port), plus `standby` spare agents (`--standby`); returns node 0's result with every
-    node's output and every agent's exit code."""
+    node's output and every agent's exit code. `etcd=(endpoints, job id)`: `--store etcd` on that
+    cluster instead (every agent keeps a coordinator candidate; no node starts a store)."""
     run_dir = tmp_path / name
     port = free_port()
     trainer = trainer_args(run_dir, demo_data_dir, steps, inject, overrides)
@@ -197,6 +199,8 @@ def launch_nodes(
             if node == 0
             else ["--coordinator", f"127.0.0.1:{port}"]
         )
+        if etcd is not None:
+            where = ["--store", "etcd", "--etcd-endpoints", ",".join(etcd[0]), "--job-id", etcd[1]]
         if node >= nnodes:
             where.append("--standby")
         cmd = [

@@ -376,7 +376,7 @@ class Coordinator:
                 for r in self.replica_ranks(rep)
             },
         )
-        publish_generation(self.store, self.gen, record)
+        publish_generation(self.store, self.gen, record, epoch=self.epoch)
         self.log(f"[coordinator] generation {self.gen}: members {list(members)} ({reason})")
 
     def _abort(self, reason: str) -> None:

@@ -61,8 +61,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="The membership coordinator of one job, a client of its store (started and "
         "restarted by mecefo-coordinator; not meant to be run by hand).",
     )
-    p.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    p.add_argument("--store", required=True, help="HOST:PORT or etcd://... of the job's store")
     p.add_argument("--world-size", type=int, required=True, help="trainer processes in the job")
+    p.add_argument(
+        "--elect",
+        metavar="CANDIDATE",
+        help="etcd store: campaign as this candidate and coordinate only while elected "
+        "(`election.py`); each node agent runs one",
+    )
+    p.add_argument("--lease-ttl-s", type=int, default=int(os.environ.get("MECEFO_LEASE_TTL_S", 3)))
     add_detector_flags(p)
     return p.parse_args(argv)
 
@@ -74,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    store = keys.connect(args.store, 30.0)
+    # elected: a short bound, so a candidate that lost etcd stands down within seconds
+    store = keys.connect(args.store, 5.0 if args.elect else 30.0)
     stop = {"flag": False}
 
     def _stop(signum, frame):
@@ -82,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
+    if args.elect:
+        return run_elected(args, cfg, store, lambda: stop["flag"])
     coord = Coordinator(store, args.world_size, cfg, log=lambda m: print(m, flush=True))
     coord.restore()
     parent = os.getppid()
@@ -96,6 +106,63 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         coord.close()
     return 0
+
+
+def run_elected(args: argparse.Namespace, cfg: DetectorConfig, store, stopped) -> int:
+    """A candidate (`--elect`): campaign, then coordinate while the lease holds. Exit 0 when the
+    job is over or on SIGTERM; REJOIN when it stood down (lease lost, fenced, etcd unreachable):
+    its agent then starts a new candidate."""
+    from megatron_mecefo.control.records import Fenced
+    from megatron_mecefo.failover.authority import election
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    def job_over() -> bool:
+        flags = store.get(keys.FLAGS) if store.check([keys.FLAGS]) else b""
+        return keys.flag_raised(flags, keys.DONE) or keys.flag_raised(flags, keys.ABORT)
+
+    try:
+        leadership = election.campaign(
+            store,
+            args.store,
+            args.elect,
+            ttl_s=args.lease_ttl_s,
+            should_stop=lambda: stopped() or job_over(),
+            log=log,
+        )
+    except Exception as exc:  # noqa: BLE001 - etcd unreachable: the agent retries
+        log(f"[coordinator] candidate {args.elect}: cannot campaign ({_first(exc)})")
+        return int(ExitCode.REJOIN)
+    if leadership is None:
+        return 0
+    t0 = time.monotonic()
+    coord = Coordinator(store, args.world_size, cfg, log=log)
+    try:
+        coord.restore()
+        log(
+            f"[coordinator] candidate {args.elect} elected (lease TTL {args.lease_ttl_s} s, "
+            f"epoch {coord.epoch}, restored in {1000 * (time.monotonic() - t0):.0f} ms)"
+        )
+        why = coord.run(lambda: stopped() or leadership.expired())
+    except Fenced as exc:
+        log(f"[coordinator] candidate {args.elect} fenced ({exc}); standing down")
+        return int(ExitCode.REJOIN)
+    except Exception as exc:  # noqa: BLE001 - etcd unreachable (quorum lost): stand down
+        log(f"[coordinator] candidate {args.elect}: etcd failed ({_first(exc)}); standing down")
+        return int(ExitCode.REJOIN)
+    finally:
+        coord.close()
+    if leadership.expired():
+        reason = leadership.lost_reason or f"not renewed for {args.lease_ttl_s} s (paused?)"
+        log(f"[coordinator] candidate {args.elect} lost the leadership ({reason}); standing down")
+        return int(ExitCode.REJOIN)
+    leadership.resign(store)
+    return 0 if why in ("agents gone", "stopped") else int(ExitCode.REJOIN)
+
+
+def _first(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _host_gone(parent: int, wait_s: float = 1.0) -> bool:

@@ -29,6 +29,7 @@ from megatron_mecefo.control.records import node_report, read_registration
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover.liveness import gpu_health
 from megatron_mecefo.failover.node import restart_policy
+from megatron_mecefo.failover.node.node_lease import NodeLease, check_fresh_launch, uses_leases
 from megatron_mecefo.failover.node.snapshot_process import (
     snapshot_process_command,
     start_snapshot_process,
@@ -71,8 +72,10 @@ class Agent:
         self.flag_values: dict[str, str] = {}  # ABORT / STOP reasons once read
         self.standby_logged = False
         self.gave_up: dict[int, int] = {}  # rank -> its last exit code, when no longer restarted
+        check_fresh_launch(self.store, getattr(args, "job_id", ""))
         keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
+        self.lease = NodeLease(self.store, self.agent_id) if uses_leases(self.store) else None
         if not args.standby:
             node = args.node_rank
             owner = self.store.compare_set(keys.node_owner(node), "", str(self.agent_id))
@@ -179,6 +182,8 @@ class Agent:
                 self.store.add(keys.AGENTS_ACTIVE, -1)
             except Exception:  # noqa: BLE001 - the coordinator may be gone already
                 pass
+            if self.lease is not None:
+                self.lease.release()
 
     def _watch(self) -> int:
         last_ok = time.monotonic()
@@ -187,6 +192,8 @@ class Agent:
                 self.log("SIGTERM grace time over: stopping this node's ranks now")
                 return 128 + signal.SIGTERM
             try:
+                if self.lease is not None:
+                    self.lease.renew()
                 code = self._tick() if self.node is not None else self._standby_tick()
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - store unreachable

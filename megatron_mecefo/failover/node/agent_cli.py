@@ -15,15 +15,19 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
+from megatron_mecefo.control import etcd_cluster, etcd_store
 from megatron_mecefo.control.proc import die_with_parent, ignore_stop_signal, quiet_cpp_logs
 from megatron_mecefo.errors import ExitCode, MecefoError
 from megatron_mecefo.failover.node.agent import Agent
+from megatron_mecefo.failover.node.candidate import CandidateKeeper
 
 DIE_WITH_PARENT_ENV = "MECEFO_DIE_WITH_PARENT"
 """`1` (set by launch/local/run.sh for the agents it starts in the background): the agent stops
@@ -50,6 +54,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=int(env("MECEFO_COORDINATOR_PORT", 0)),
         help="port for the coordinator this agent starts (0: a free one)",
+    )
+    p.add_argument(
+        "--store",
+        choices=("tcp", "etcd"),
+        default=env("MECEFO_STORE", "tcp"),
+        help="the job's store: tcp (a TCPStore on the head node, for one machine and small jobs) "
+        "or etcd (an etcd cluster; no special node) ($MECEFO_STORE)",
+    )
+    p.add_argument(
+        "--etcd-endpoints",
+        default=env("MECEFO_ETCD_ENDPOINTS", ""),
+        help="HOST:PORT[,HOST:PORT...] of the etcd cluster; empty on one node: start 3 members "
+        "on this machine ($MECEFO_ETCD_ENDPOINTS)",
+    )
+    p.add_argument(
+        "--job-id",
+        default=env("MECEFO_JOB_ID") or env("SLURM_JOB_ID", ""),
+        help="etcd store: the job's name in etcd, the same on every node ($MECEFO_JOB_ID, else "
+        "$SLURM_JOB_ID; on one node without either, a new one)",
     )
     p.add_argument(
         "--restart-delay-s",
@@ -93,12 +116,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--node-rank {args.node_rank} is not one of the {args.nnodes} nodes; "
             "pass --standby for a spare node"
         )
-    if (args.node_rank > 0 or args.standby) and not args.coordinator:
+    if args.store == "etcd":
+        if args.coordinator:
+            p.error("--coordinator is for --store tcp; --store etcd takes --etcd-endpoints")
+        multi = args.nnodes > 1 or args.standby
+        if multi and not (args.etcd_endpoints and args.job_id):
+            p.error(
+                "--store etcd on several nodes needs the cluster's endpoints and one job id on "
+                "every node: --etcd-endpoints (MECEFO_ETCD_ENDPOINTS) and --job-id (MECEFO_JOB_ID "
+                "or SLURM_JOB_ID); launch/README.md shows both"
+            )
+        try:
+            etcd_store.parse(etcd_store.address(_endpoints(args), args.job_id or "x"))
+        except ValueError as exc:
+            p.error(f"--etcd-endpoints: {exc}")
+    elif (args.node_rank > 0 or args.standby) and not args.coordinator:
         p.error(
             "nodes other than 0 and standbys need --coordinator HOST:PORT "
             "(or MECEFO_COORDINATOR_ADDR)"
         )
     return args
+
+
+def _endpoints(args: argparse.Namespace) -> list[str]:
+    return [e.strip() for e in args.etcd_endpoints.split(",") if e.strip()] or ["127.0.0.1:2379"]
+
+
+@contextlib.contextmanager
+def etcd_control_plane(args: argparse.Namespace):
+    """`--store etcd`: the job's etcd address (starting 3 local members when no endpoints are
+    given) and this node's coordinator candidate; both stopped on exit."""
+    local = None
+    tmp = None
+    if not args.etcd_endpoints:
+        tmp = Path(tempfile.mkdtemp(prefix="mecefo-etcd-"))
+        local = etcd_cluster.LocalEtcd(tmp, log=lambda m: print(m, flush=True))
+        args.etcd_endpoints = ",".join(local.start())
+    job = args.job_id = args.job_id or f"job-{uuid.uuid4().hex[:12]}"
+    address = etcd_store.address(_endpoints(args), job)
+    who = f"node{args.node_rank}" + ("-standby" if args.standby else "")
+    keeper = CandidateKeeper(
+        address,
+        args.nnodes * args.nproc_per_node,
+        f"{who}@{socket.gethostname()}:{os.getpid()}",
+        args.coordinator_arg,
+        log=lambda m: print(f"[agent {args.node_rank}] {m}", flush=True),
+    )
+    try:
+        keeper.start()
+        yield address
+    finally:
+        keeper.stop()
+        if local is not None:
+            local.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def start_coordinator(world: int, port: int, extra: list[str]) -> tuple[subprocess.Popen, int]:
@@ -183,13 +254,28 @@ def main(argv: list[str] | None = None) -> int:
         if bad[1] is not None:
             print(f"error: {bad[1]}", file=sys.stderr, flush=True)
         return bad[0]
+    with contextlib.ExitStack() as stack:
+        return _run(args, stack)
+
+
+def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     coordinator = None
     address = args.coordinator
-    if address is None:
+    if args.store == "etcd":
+        try:
+            address = stack.enter_context(etcd_control_plane(args))
+        except (MecefoError, TimeoutError, RuntimeError) as exc:
+            print(f"error: cannot start the etcd control plane: {exc}", file=sys.stderr, flush=True)
+            return int(getattr(exc, "exit_code", ExitCode.COORDINATOR_LOST))
+    elif address is None:
         world = args.nnodes * args.nproc_per_node
         coordinator, port = start_coordinator(world, args.coordinator_port, args.coordinator_arg)
         address = f"127.0.0.1:{port}"
-    agent = Agent(args, address)
+    try:
+        agent = Agent(args, address)
+    except MecefoError as exc:  # an etcd job id that names a stopped launch
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return int(exc.exit_code)
 
     grace_s = float(os.environ.get("MECEFO_TERM_GRACE_S") or 0)
 

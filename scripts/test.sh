@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
+bash scripts/install_etcd.sh  # the etcd store's tests run a real 3-member cluster
 set +e
 .venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
 rc=$?

@@ -245,6 +245,13 @@ class EtcdStore(dist.Store):
     def num_keys(self) -> int:
         return self.count_prefix("")
 
+    def values_with_prefix(self, prefix: str) -> list[bytes]:
+        """The values of every key that starts with `prefix`."""
+        return [
+            _unb64(kv.get("value"))
+            for kv in self.client.range(self._k(prefix), prefix=True).get("kvs") or []
+        ]
+
     def count_prefix(self, prefix: str) -> int:
         """How many keys start with `prefix`."""
         res = self.client.range(self._k(prefix), prefix=True, count_only=True)

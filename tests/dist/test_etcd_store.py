@@ -44,7 +44,8 @@ def have_etcd() -> bool:
 
 
 needs_etcd = pytest.mark.skipif(
-    not have_etcd(), reason="no etcd on PATH: bash scripts/install_etcd.sh (scripts/test.sh runs it)"
+    not have_etcd(),
+    reason="no etcd on PATH: bash scripts/install_etcd.sh (scripts/test.sh runs it)",
 )
 
 
@@ -189,9 +190,7 @@ def _candidate(addr: str, name: str, log: Path) -> subprocess.Popen:
         "2",
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.Popen(
-        cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT
-    )
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
 def _wait_for(path: Path, pattern: str, limit_s: float = 30.0) -> float:

@@ -69,7 +69,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="etcd store: campaign as this candidate and coordinate only while elected "
         "(`election.py`); each node agent runs one",
     )
-    p.add_argument("--lease-ttl-s", type=int, default=int(os.environ.get("MECEFO_LEASE_TTL_S", 3)))
+    p.add_argument(
+        "--lease-ttl-s",
+        type=int,
+        default=int(os.environ.get("MECEFO_LEASE_TTL_S", 5)),
+        help="--elect: the leader's lease; a dead leader is replaced within it "
+        "($MECEFO_LEASE_TTL_S)",
+    )
     add_detector_flags(p)
     return p.parse_args(argv)
 

@@ -3,7 +3,7 @@
 Every node agent of an `--store etcd` job keeps one candidate (`coordinator_cli --elect`). A
 candidate campaigns by creating `keys.COORD_LEADER` on its own lease (a transaction that succeeds
 only while the key is absent); the one that creates it is the coordinator while it keeps the lease
-alive. A renewal thread renews it every TTL/3. When the leader's process or node dies, the lease
+alive. A renewal thread renews it every TTL/8. When the leader's process or node dies, the lease
 expires after the TTL, the key goes with it, and the next candidate to try takes over from the
 state in etcd (`Coordinator.restore`). Training does not wait for it: trainers and agents talk to
 etcd, not to the coordinator.
@@ -22,8 +22,12 @@ from collections.abc import Callable
 
 from megatron_mecefo.control import keys
 
-DEFAULT_TTL_S = 3
-"""Lease TTL of the coordinator and the election's bound on a takeover (plus one poll)."""
+DEFAULT_TTL_S = 5
+"""Lease TTL of the coordinator and the election's bound on a takeover (plus one poll). It must
+outlast an etcd leader change (about 1-2 s with `etcd_cluster.py`'s election timeout of 1 s) with
+room for renewals, or a leader change in etcd would also change the coordinator."""
+RENEWALS_PER_TTL = 8
+"""Renewals per TTL, each bounded at one interval: several tries fit in an etcd leader change."""
 
 
 class Leadership:
@@ -41,8 +45,9 @@ class Leadership:
         self._thread.start()
 
     def _renew(self) -> None:
-        store = keys.connect(self.address, max(1.0, self.ttl_s / 3))
-        while not self._stop.wait(self.ttl_s / 3):
+        interval = self.ttl_s / RENEWALS_PER_TTL
+        store = keys.connect(self.address, interval)
+        while not self._stop.wait(interval):
             started = time.monotonic()
             try:
                 left = store.keepalive(self.lease)

@@ -1,0 +1,232 @@
+"""Jobs on `--store etcd` with a real 3-member etcd cluster and real signals.
+
+- The etcd leader SIGKILLed mid-run, then a rank: the job finishes with every invariant.
+- The elected coordinator SIGKILLed twice, then a rank: a new one is elected each time (the
+  node's agent restarts its candidate) and decides the failure.
+- The head node lost (agent, coordinator candidate, trainers, snapshot process) with a standby:
+  another node's candidate is elected, the standby takes the lost ranks, the job finishes.
+- Two of three etcd members SIGKILLed: every process stops within a bound (exit 6, the line names
+  etcd); the same job id is then refused; with the members back, a new launch resumes from the
+  last checkpoint and trains to the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.etcd_cluster import LocalEtcd
+from megatron_mecefo.control.etcd_store import EtcdStore, address
+from megatron_mecefo.errors import ExitCode
+from tests.dist.test_etcd_store import needs_etcd
+from tests.dist.test_failover import assert_recovered
+from tests.dist.test_spares import _kill_node
+from tests.helpers.launch import launch, launch_nodes
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), needs_etcd]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalEtcd(tmp_path / "etcd", log=lambda m: None)
+    c.start()
+    yield c
+    c.stop()
+
+
+def _etcd_args(cluster, job: str) -> tuple[str, ...]:
+    return ("--store", "etcd", "--etcd-endpoints", ",".join(cluster.endpoints), "--job-id", job)
+
+
+def _wait_step(run_dir, step: int, limit_s: float = 180) -> None:
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + limit_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) > step):
+        assert time.monotonic() < deadline, f"the job never reached step {step}"
+        time.sleep(0.05)
+
+
+def _leader_pid(cluster, job: str) -> int:
+    """The pid of the elected coordinator (its candidate id ends in the agent's pid; the
+    coordinator is that agent's child)."""
+    import psutil
+
+    store = EtcdStore(address(cluster.endpoints, job), 5.0)
+    holder = store.get(keys.COORD_LEADER).decode()
+    agent = int(holder.rsplit(":", 1)[1])
+    for child in psutil.Process(agent).children():
+        if "--elect" in child.cmdline():
+            return child.pid
+    raise AssertionError(f"no candidate process under agent {agent}")
+
+
+def test_etcd_leader_killed_mid_run(tmp_path, demo_data_dir, cluster):
+    steps = 36
+    killed = []
+
+    def kill_etcd_leader(proc, run_dir):
+        _wait_step(run_dir, 4)
+        leader = cluster.leader()
+        cluster.kill(leader)
+        killed.append(leader)
+
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("kill:2:12:3",),
+        launch_args=(*_etcd_args(cluster, "leader-kill"), "--warm-spares", "1"),
+        while_running=kill_etcd_leader,
+    )
+    assert killed and cluster.procs[killed[0]].poll() is not None
+    assert_recovered(res, steps=steps)
+    assert res.output.count("elected") == 1, res.explain()  # the coordinator never noticed
+
+
+def test_coordinator_killed_twice(tmp_path, demo_data_dir, cluster):
+    steps = 40
+    job = "coord-kill"
+
+    def kill_coordinator_twice(proc, run_dir):
+        log = run_dir.parent / "run.log"
+        for n, step in enumerate((3, 8)):
+            _wait_step(run_dir, step)
+            deadline = time.monotonic() + 60  # the n-th election is over: kill that leader
+            while log.read_text().count(" elected (") <= n:
+                assert time.monotonic() < deadline, f"no election {n + 1}"
+                time.sleep(0.05)
+            os.kill(_leader_pid(cluster, job), signal.SIGKILL)
+
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("kill:1:16:3",),  # after both: the third coordinator must decide it
+        launch_args=(
+            *_etcd_args(cluster, job),
+            "--warm-spares",
+            "1",
+            "--coordinator-arg=--lease-ttl-s=3",
+        ),
+        while_running=kill_coordinator_twice,
+    )
+    assert_recovered(res, steps=steps)
+    elected = re.findall(r"candidate \S+ elected \(lease TTL 3 s, epoch (\d+)", res.output)
+    # (a coordinator starved past its lease on a loaded machine stands down too: more epochs)
+    assert len(elected) >= 3 and [int(e) for e in elected] == list(range(1, len(elected) + 1))
+    assert res.output.count("coordinator candidate exited (-9)") == 2
+    failure = next(e for e in res.events() if e["type"] == "failure")
+    assert failure["dp_rank"] == 1 and failure["step"] >= 16
+
+
+def test_head_node_lost_with_a_standby(tmp_path, demo_data_dir, cluster):
+    steps = 60
+    job = "head-loss"
+    leader_before = []
+
+    def lose_head_node(procs, run_dir):
+        _wait_step(run_dir, 5)
+        store = EtcdStore(address(cluster.endpoints, job), 5.0)
+        leader_before.append(store.get(keys.COORD_LEADER).decode())
+        _kill_node(procs[0])
+
+    res = launch_nodes(
+        tmp_path,
+        demo_data_dir,
+        nnodes=2,
+        nproc_per_node=2,
+        standby=1,
+        steps=steps,
+        overrides=("training.micro_batch_size=2",),
+        while_running=lose_head_node,
+        etcd=(cluster.endpoints, job),
+    )
+    assert leader_before and leader_before[0].startswith("node0@"), leader_before
+    assert res.node_codes[0] == -signal.SIGKILL and res.node_codes[1:] == [0, 0], res.explain()
+    res.returncode = 0
+    assert [m["step"] for m in res.metrics()] == list(range(steps)), res.explain()
+    assert res.summary()["failover"]["samples_lost"] == 0
+    assert "taking over node 0: ranks [0, 1]" in res.output, res.explain()
+    after = res.output.split("--- node 1", 1)[1]
+    assert re.search(r"candidate (node1|node2-standby)@\S+ elected", after), res.explain()
+    lost = [e for e in res.events() if e["type"] == "node_lost"]
+    assert [e["ranks"] for e in lost] == [[0, 1]], lost
+    assert res.metrics()[-1]["replicas_alive"] == 4
+
+
+def test_quorum_lost_stops_cleanly_then_resumes(tmp_path, demo_data_dir, cluster):
+    steps = 300
+    overrides = ("checkpoint.interval=4", "checkpoint.async_save=false")
+    down = {}
+
+    def lose_quorum(proc, run_dir):
+        _wait_step(run_dir, 9)
+        leader = cluster.leader()
+        other = (leader + 1) % 3
+        cluster.kill(leader)
+        cluster.kill(other)
+        down["members"], down["t"] = [leader, other], time.monotonic()
+
+    first = launch(
+        tmp_path,
+        demo_data_dir,
+        nproc=2,
+        steps=steps,
+        overrides=overrides,
+        launch_args=_etcd_args(cluster, "quorum-1"),
+        while_running=lose_quorum,
+    )
+    stopped_s = time.monotonic() - down["t"]
+    assert first.returncode == ExitCode.COORDINATOR_LOST, first.explain()
+    assert "etcd unreachable" in first.output and "quorum lost?" in first.output
+    assert "Traceback" not in first.output, first.explain()
+    assert stopped_s < 45, f"the job took {stopped_s:.0f} s to stop after the quorum was lost"
+    saved = sorted(
+        int(p.name.split("_")[1]) for p in (first.run_dir / "checkpoints").glob("step_*")
+    )
+    assert saved and saved[-1] >= 8, saved
+
+    for i in down["members"]:
+        cluster.start_member(i)
+    cluster.wait_healthy(30)
+    again = launch(
+        tmp_path,
+        demo_data_dir,
+        nproc=2,
+        steps=steps,
+        overrides=overrides,
+        launch_args=_etcd_args(cluster, "quorum-1"),
+        timeout_s=60,
+    )
+    assert again.returncode == ExitCode.CONFIG_ERROR, again.explain()
+    assert "earlier launch of job 'quorum-1' that stopped" in again.output
+
+    short = 24  # the resumed launch trains to its own last step
+    resumed = launch(
+        tmp_path,
+        demo_data_dir,
+        nproc=2,
+        steps=short,
+        overrides=overrides,
+        launch_args=_etcd_args(cluster, "quorum-2"),
+    )
+    assert resumed.returncode == 0, resumed.explain()
+    # from the node's shared-memory snapshot (it outlived the stop) or the last checkpoint
+    found = re.search(
+        r"recovered the state of step (\d+)|resumed from \S+ at step (\d+)", resumed.output
+    )
+    assert found, resumed.explain()
+    start = int(found.group(1) or found.group(2))
+    reached = first.metrics()[-1]["step"]
+    assert saved[-1] <= start <= reached + 1, (saved, start, reached)
+    steps = [m["step"] for m in resumed.metrics()]  # both launches' rows, in order
+    steps_run = steps[len(steps) - 1 - steps[::-1].index(start) :]
+    assert steps_run == list(range(start, short)), steps

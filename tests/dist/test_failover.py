@@ -86,7 +86,9 @@ def test_sigkill_spread_equals_failure_free_and_rejoins(tmp_path, demo_data_dir,
     # replicas of the failure-free run and of this one end in different float states only
     # through reduction order, so compare the curve, not the digests, across runs
     failure = next(e for e in res.events() if e["type"] == "failure")
-    assert failure["dp_rank"] == 2 and failure["step"] == 5
+    # the event's step is the coordinator's view of the job, read from progress markers every
+    # 0.1 s: on a loaded machine it may not have seen step 5 begin yet (CI once saw 4)
+    assert failure["dp_rank"] == 2 and failure["step"] in (4, 5), failure
     detection = next(e for e in res.events() if e["type"] == "detection")
     assert detection["latency_ms"] < 2000  # SIGKILL declared dead within 2 s
     rejoin = next(e for e in res.events() if e["type"] == "rejoin")

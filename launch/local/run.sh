@@ -10,6 +10,8 @@
 # stop; a deterministic error (exit 2, 3, 4, 5) ends the job. With MECEFO_LAUNCHER=torchrun, a
 # rank death ends the job (exit codes: launch/README.md). Exit 0 means the job trained to its
 # last step.
+# Store: MECEFO_STORE=etcd runs the job on etcd (MECEFO_ETCD_ENDPOINTS, or 3 local members started
+# here; no node is special: launch/README.md); the default tcp store lives on the head node.
 # Simulated nodes: NNODES=2 NSPARE=1 NPROC=2 runs 2 working nodes of 2 ranks (one mecefo-launch
 # each) and 1 standby node on this machine; a lost node's ranks move to the standby. The agents
 # die with this script (even on SIGKILL); its exit code is the head node's, or, when the head's
@@ -62,12 +64,35 @@ case "${MECEFO_LAUNCHER}" in
     if [ "${NNODES}" -eq 1 ] && [ "${NSPARE}" -eq 0 ]; then
       exec "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" -- "$@"
     fi
-    port="$("${PYTHON}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-    node_args=(--nnodes "${NNODES}" --coordinator "127.0.0.1:${port}")
     pids=()
     export MECEFO_DIE_WITH_PARENT=1 # the agents die with this script, even on SIGKILL
-    "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" --nnodes "${NNODES}" \
-      --node-rank 0 --coordinator-port "${port}" -- "$@" &
+    if [ "${MECEFO_STORE:-tcp}" = etcd ]; then
+      # every simulated node is an agent of one etcd job: the site's cluster, or 3 local members
+      if [ -z "${MECEFO_ETCD_ENDPOINTS:-}" ]; then
+        etcd_dir="$(mktemp -d -t mecefo-etcd-XXXXXX)"
+        "${PYTHON}" -m megatron_mecefo.control.etcd_cluster --data-dir "${etcd_dir}" \
+          --endpoints-file "${etcd_dir}/endpoints" &
+        etcd_pid=$!
+        trap 'kill -TERM "${etcd_pid}" 2> /dev/null || true; rm -rf "${etcd_dir}"' EXIT
+        for ((t = 0; t < 300; t++)); do
+          [ -s "${etcd_dir}/endpoints" ] && break
+          kill -0 "${etcd_pid}" 2> /dev/null || fail "the local etcd cluster did not start"
+          sleep 0.1
+        done
+        [ -s "${etcd_dir}/endpoints" ] || fail "the local etcd cluster did not start within 30 s"
+        MECEFO_ETCD_ENDPOINTS="$(cat "${etcd_dir}/endpoints")"
+        export MECEFO_ETCD_ENDPOINTS
+      fi
+      export MECEFO_JOB_ID="${MECEFO_JOB_ID:-local-$$-$(date +%s)}"
+      node_args=(--nnodes "${NNODES}" --store etcd)
+      head_args=("${node_args[@]}")
+    else
+      port="$("${PYTHON}" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+      node_args=(--nnodes "${NNODES}" --coordinator "127.0.0.1:${port}")
+      head_args=(--nnodes "${NNODES}" --coordinator-port "${port}")
+    fi
+    "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" "${head_args[@]}" \
+      --node-rank 0 -- "$@" &
     pids+=($!)
     for ((i = 1; i < NNODES + NSPARE; i++)); do
       role=()

@@ -136,3 +136,39 @@ class LocalEtcd:
     def stop(self) -> None:
         for i in range(len(self.procs)):
             self.kill(i, signal.SIGKILL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m megatron_mecefo.control.etcd_cluster --data-dir D --endpoints-file F`: start 3
+    members, write their endpoints (comma-separated) to F, and keep them until SIGTERM/SIGINT or
+    the parent's death (`launch/local/run.sh` uses it for simulated nodes on `--store etcd`)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m megatron_mecefo.control.etcd_cluster")
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--endpoints-file", required=True)
+    p.add_argument("--members", type=int, default=3)
+    args = p.parse_args(argv)
+    proc.die_with_parent(signal.SIGTERM)
+    stop = {"now": False}
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.update(now=True))
+    cluster = LocalEtcd(args.data_dir, args.members, log=lambda m: print(m, flush=True))
+    try:
+        endpoints = cluster.start()
+    except (ConfigError, RuntimeError, TimeoutError) as exc:
+        cluster.stop()
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    Path(args.endpoints_file).write_text(",".join(endpoints))
+    try:
+        while not stop["now"]:
+            time.sleep(0.2)
+    finally:
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -24,6 +24,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -305,6 +307,31 @@ def test_lost_node_does_not_stop_the_other(slurm, tmp_path, demo_data_dir):
     assert job.exit_codes() == ["0", "137"], job.explain()  # node 1: agent SIGKILLed
     assert job.metrics()[-1]["replicas_alive"] == 1, job.metrics()[-1]
     assert "failure" in [e["type"] for e in job.events()]
+
+
+@pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd: bash scripts/install_etcd.sh")
+def test_etcd_store_survives_the_loss_of_the_first_node(slurm, tmp_path, demo_data_dir):
+    """MECEFO_STORE=etcd with the site's cluster (3 members started here): no coordinator step,
+    every agent keeps a candidate; SIGKILL node 0 (the head node of a tcp job, whose loss would
+    end it) and node 1 finishes the run, with a coordinator elected on it."""
+    from megatron_mecefo.control.etcd_cluster import LocalEtcd
+
+    etcd = LocalEtcd(tmp_path / "etcd", log=lambda m: None)
+    endpoints = ",".join(etcd.start())
+    try:
+        steps = 60
+        env = {**NO_SPARES, "MECEFO_STORE": "etcd", "MECEFO_ETCD_ENDPOINTS": endpoints}
+        job = submit(slurm, tmp_path, demo_data_dir, steps=steps, env=env)
+        job.wait_for_step(5)
+        kill_node(job, 0)
+        info = job.wait()
+        assert_completed(job, info, steps)
+        assert job.exit_codes() == ["137", "0"], job.explain()
+        assert "coordinator.log" not in os.listdir(job.log_dir / "try0")
+        assert re.search(r"candidate node1@\S+ elected", job.node_log(1)), job.explain()
+        assert job.metrics()[-1]["replicas_alive"] == 1, job.metrics()[-1]
+    finally:
+        etcd.stop()
 
 
 def test_spare_node_replaces_a_lost_node(slurm, tmp_path, demo_data_dir):

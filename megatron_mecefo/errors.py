@@ -25,8 +25,9 @@ class ExitCode(enum.IntEnum):
     CHECKPOINT_ERROR = 5
     """No valid checkpoint or snapshot to resume from."""
     COORDINATOR_LOST = 6
-    """The job's store (served by `mecefo-coordinator`) is gone or unreachable: every rank aborts
-    (no hang). A coordinator process that dies is restarted in place and does not cause this."""
+    """The job's store (served by `mecefo-coordinator`, or an etcd cluster that lost its quorum)
+    is gone or unreachable: every rank aborts (no hang). A coordinator process that dies is
+    restarted in place, or another is elected (etcd), and does not cause this."""
     REJOIN = 7
     """This rank left the membership (fenced, its replica lost a TP peer, or no generation
     admitted it in time); the per-node agent restarts it and it rejoins from a live peer's state."""

@@ -33,6 +33,9 @@ SCHEME = "etcd://"
 ROOT = "/mecefo/"
 REQUEST_TIMEOUT_S = 2.0
 """One HTTP request to one member; a lost leader makes etcd itself answer after ~1-5 s."""
+MAX_TXN_OPS = 128
+"""etcd's default `--max-txn-ops`: a `multi_get` of more keys (the coordinator reads every node's
+report at once) is cut into transactions of this many reads (each one consistent, not all)."""
 _UNAVAILABLE = ("no leader", "request timed out", "leader changed", "not capable", "unhealthy")
 
 
@@ -298,8 +301,12 @@ class EtcdStore(dist.Store):
         if len(keys) == 1:
             res = self.client.range(self._k(keys[0]))
             return [_value_of(res)]
-        res = self.client.txn([], [_get(self._k(k)) for k in keys], [])
-        return [_value_of(r) for r in res.get("responses", [])]
+        values: list[bytes | None] = []
+        for at in range(0, len(keys), MAX_TXN_OPS):  # etcd refuses a longer transaction
+            chunk = keys[at : at + MAX_TXN_OPS]
+            res = self.client.txn([], [_get(self._k(k)) for k in chunk], [])
+            values += [_value_of(r) for r in res.get("responses", [])]
+        return values
 
     def _poll(self, keys: list[str], done, limit_s: float | None = None) -> list[bytes | None]:
         limit = self._timeout_s if limit_s is None else limit_s

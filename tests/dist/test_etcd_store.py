@@ -28,33 +28,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_mecefo.control import keys
-from megatron_mecefo.control.etcd_cluster import LocalEtcd
 from megatron_mecefo.control.etcd_store import EtcdStore, EtcdUnavailable, address
 from megatron_mecefo.control.records import Fenced, GenerationRecord, publish_generation
 from tests.helpers.dist import free_port
+from tests.helpers.etcd import cluster, needs_etcd  # noqa: F401 - a fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def have_etcd() -> bool:
-    import shutil
-
-    return shutil.which("etcd") is not None
-
-
-needs_etcd = pytest.mark.skipif(
-    not have_etcd(),
-    reason="no etcd on PATH: bash scripts/install_etcd.sh (scripts/test.sh runs it)",
-)
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    c = LocalEtcd(tmp_path / "etcd", log=lambda m: None)
-    c.start()
-    yield c
-    c.stop()
 
 
 def _store(cluster, job="t", timeout_s=5.0) -> EtcdStore:
@@ -82,6 +62,10 @@ def _sequence(store) -> list:
     store.set("empty", "")
     out.append(store.check(["empty"]))
     out.append(store.multi_get(["a", "n", "c", "empty"]))
+    many = [f"node/{i}" for i in range(300)]  # more than one etcd transaction may hold
+    for i, key in enumerate(many):
+        store.set(key, str(i))
+    out.append(store.multi_get(many))
     out.append(store.delete_key("a"))
     out.append(store.delete_key("a"))
     out.append(store.check(["a"]))

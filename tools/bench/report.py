@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its section modules, when loaded by path
+from report_etcd import section_etcd_store  # noqa: E402
 from report_markdown import _f, _scale, _table  # noqa: E402
 from report_sharded import section_sharded_optimizer  # noqa: E402
 
@@ -258,6 +259,13 @@ TOOLS = (
         "tools/bench/sharded_optimizer.py",
         ("--repeats", "2"),  # tiny and small, DP 1 2 4, step time at DP 4, both failovers
         ("--quick",),  # step time at DP 2 and 25 steps
+    ),
+    Tool(
+        "etcd_store",
+        "the etcd store against the tcp store",
+        "tools/bench/etcd_store.py",
+        (),  # two A/B pairs of 120 steps, 3 elections per TTL
+        ("--quick",),
     ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]
@@ -1414,6 +1422,7 @@ SECTIONS = (
     ("Takeover granularity per rank", section_granularity),
     ("Covering pipeline step time (PP 2)", section_pipeline),
     ("Distributed optimizer (ZeRO-1) vs replicated", section_sharded_optimizer),
+    ("Control plane on etcd vs tcp", section_etcd_store),
 )
 
 

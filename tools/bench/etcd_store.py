@@ -14,7 +14,9 @@
    the other says it was elected, for the default TTL and a short one.
 3. etcd at 1k, 4k and 16k ranks (8 per node): etcd's capacity for the agents' request mix
    (worker processes flat out, the product's calls), the coordinator's one read of every node
-   report, and the offered rate (the per-node rate of 1., times the nodes) against the capacity.
+   report, and the offered rate against the capacity: every agent's tick (2 requests per 0.1 s
+   and its lease) plus, per rank and step, the requests a step of the 2-rank job of 1. made (an
+   upper bound: that count includes its agent and coordinator) at one step per --step-s.
 
 Prints tables and writes JSON. A benchmark, not a test; every process it starts is stopped.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -153,22 +156,45 @@ def node_loss_run(store, cluster, tmp, steps, demo) -> dict:
         except ProcessLookupError:
             pass
     procs[0].wait(600)
-    lost = first_event(read_jsonl(run_dir / "events.jsonl"), "node_lost")
-    return {"node_lost_ms": lost and lost.get("latency_ms")}
+    events = read_jsonl(run_dir / "events.jsonl")
+    lost, det = first_event(events, "node_lost"), first_event(events, "detection")
+    silent = re.search(r"silent for ([0-9.]+) s", lost["detail"]) if lost else None
+    return {
+        "ranks_detected_ms": det and det["latency_ms"],
+        "node_lost_ms": 1000 * float(silent.group(1)) if silent else None,
+    }
 
 
 def overhead_run(store, cluster, tmp, steps, demo, i) -> dict:
+    """A failure-free job; on etcd, etcd's request counters sampled at steps 20 and steps - 10:
+    the requests of one training step of the whole job (2 ranks, their agent, the coordinator)."""
     run_dir = tmp / f"oh_{store}_{i}"
     train = demo_job_args(steps, run_dir, demo)
-    before = etcd_requests(cluster) if store == "etcd" else 0
-    res = run_job(agent_cmd(2, store_args(store, cluster, f"oh-{time.time_ns()}"), train), run_dir)
-    after = etcd_requests(cluster) if store == "etcd" else 0
-    step_s = statistics.median(m["step_time_s"] for m in res["metrics"] if m["step"] >= 20)
-    return {
-        "step_s": step_s,
-        "vote_ms": res["summary"]["failover"]["vote_ms_median"],
-        "etcd_requests_per_s": (after - before) / res["wall_s"] if store == "etcd" else None,
+    cmd = agent_cmd(2, store_args(store, cluster, f"oh-{time.time_ns()}"), train)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    samples = []
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None:
+        done = len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        if store == "etcd" and len(samples) < 2 and done >= (20, steps - 10)[len(samples)]:
+            samples.append((done, time.monotonic(), etcd_requests(cluster)))
+        time.sleep(0.02)
+    if proc.returncode != 0:
+        sys.exit(f"error: failure-free {store} job failed ({proc.returncode})")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    out = {
+        "step_s": statistics.median(
+            m["step_time_s"] for m in read_jsonl(metrics) if m["step"] >= 20
+        ),
+        "vote_ms": summary["failover"]["vote_ms_median"],
     }
+    if len(samples) == 2:
+        (s0, t0, r0), (s1, t1, r1) = samples
+        out["etcd_requests_per_step"] = (r1 - r0) / (s1 - s0)
+        out["etcd_requests_per_s"] = (r1 - r0) / (t1 - t0)
+    return out
 
 
 def election_trials(cluster: LocalEtcd, ttl_s: int, trials: int, tmp: Path) -> list[float]:
@@ -236,9 +262,22 @@ def _agent_worker(addr: str, nodes: list[int], seconds: float, out) -> None:
     out.put((2 * n, latencies))
 
 
+AGENT_RPS = 2 / 0.1 + 2 / (5 / 3)
+"""A node agent's requests: one multi_get and one node report per 0.1 s tick, and its lease's
+renewal (keepalive and put) every TTL/3 of 5 s."""
+
+
 def scale(
-    cluster: LocalEtcd, ranks: list[int], workers: int, seconds: float, per_node_rps: float
+    cluster: LocalEtcd,
+    ranks: list[int],
+    workers: int,
+    seconds: float,
+    per_rank_step: float,
+    step_s: float,
 ) -> dict:
+    """etcd's capacity for the agents' mix, and the offered rate at each size: every agent's
+    ticks, plus `per_rank_step` requests per rank per step (measured on 2 ranks, so it carries
+    their agent's and the coordinator's share too: an upper bound) at one step per `step_s`."""
     addr = address(cluster.endpoints, f"scale-{time.time_ns()}")
     store = EtcdStore(addr, 10.0)
     keys.control_keys(store)
@@ -271,11 +310,14 @@ def scale(
         t0 = time.perf_counter()
         store.multi_get([keys.node_key(i) for i in range(nodes)])
         read_ms = 1000 * (time.perf_counter() - t0)
-        offered = nodes * per_node_rps
+        agents, steps = nodes * AGENT_RPS, n * per_rank_step / step_s
+        offered = agents + steps
         rows.append(
             {
                 "ranks": n,
                 "nodes": nodes,
+                "agents_rps": agents,
+                "steps_rps": steps,
                 "offered_rps": offered,
                 "utilization": offered / capacity,
                 "coordinator_read_ms": read_ms,
@@ -286,6 +328,8 @@ def scale(
         "latency_ms_p50": 1000 * lat[len(lat) // 2],
         "latency_ms_p99": 1000 * lat[int(0.99 * (len(lat) - 1))],
         "workers": workers,
+        "step_s": step_s,
+        "per_rank_step": per_rank_step,
         "rows": rows,
     }
 
@@ -297,6 +341,7 @@ def main() -> int:
     p.add_argument("--overhead-steps", type=int, default=120)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--step-s", type=float, default=2.0, help="step time of the projected jobs")
     p.add_argument("--demo-dir", default=".cache/demo_data")
     p.add_argument("--out", default="bench_out/etcd_store.json")
     args = p.parse_args()
@@ -322,22 +367,28 @@ def main() -> int:
                 )
         print("[bench] election", flush=True)
         doc["election_s"] = {ttl: election_trials(cluster, ttl, args.trials, tmp) for ttl in (5, 2)}
-        per_node = statistics.median(r["etcd_requests_per_s"] for r in doc["etcd"]["overhead"])
+        per_step = statistics.median(
+            r["etcd_requests_per_step"]
+            for r in doc["etcd"]["overhead"]
+            if "etcd_requests_per_step" in r
+        )
         print("[bench] etcd at scale", flush=True)
-        doc["scale"] = scale(cluster, [1024, 4096, 16384], 3, 4.0 if args.quick else 6.0, per_node)
-        doc["scale"]["per_node_rps_measured"] = per_node
+        seconds = 4.0 if args.quick else 6.0
+        ranks = [1024, 4096, 16384]
+        doc["scale"] = scale(cluster, ranks, 3, seconds, per_step / 2, args.step_s)
+        doc["scale"]["requests_per_step_2_ranks"] = per_step
     finally:
         cluster.stop()
     print()
     print(
-        f"{'store':<6} {'kill detect ms':>14} {'regroup ms':>10} {'node lost ms':>12} "
+        f"{'store':<6} {'kill detect ms':>14} {'regroup ms':>10} {'node det. ms':>12} "
         f"{'step ms':>8} {'vote ms':>8}"
     )
     for store in ("tcp", "etcd"):
         d = doc[store]
         step = statistics.median(r["step_s"] for r in d["overhead"])
         vote = statistics.median(r["vote_ms"] for r in d["overhead"])
-        lost = d["node_loss"]["node_lost_ms"] or float("nan")
+        lost = d["node_loss"]["ranks_detected_ms"] or float("nan")
         print(
             f"{store:<6} {d['kill']['detection_ms']:>14.0f} {d['kill']['regroup_ms']:>10.0f} "
             f"{lost:>12.0f} {1000 * step:>8.1f} {vote:>8.2f}"
@@ -351,8 +402,9 @@ def main() -> int:
     print(
         f"etcd capacity for the agents' mix: {s['capacity_rps']:.0f} requests/s "
         f"({s['workers']} client "
-        f"processes; p50 {s['latency_ms_p50']:.2f} ms, p99 {s['latency_ms_p99']:.2f} ms); measured "
-        f"{s['per_node_rps_measured']:.1f} requests/s per node"
+        f"processes; p50 {s['latency_ms_p50']:.2f} ms, p99 {s['latency_ms_p99']:.2f} ms); "
+        f"{s['requests_per_step_2_ranks']:.1f} requests per step of a 2-rank job (measured); "
+        f"projected at one step per {s['step_s']:.0f} s"
     )
     print(
         f"{'ranks':>6} {'nodes':>6} {'offered req/s':>13} {'of capacity':>11} {'coord read ms':>13}"

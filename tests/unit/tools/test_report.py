@@ -398,6 +398,7 @@ ALL_SECTIONS = [
     "Takeover granularity per rank",
     "Covering pipeline step time (PP 2)",
     "Distributed optimizer (ZeRO-1) vs replicated",
+    "Control plane on etcd vs tcp",
 ]
 """Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
 
@@ -594,3 +595,51 @@ def test_sharded_optimizer_reading_follows_the_numbers(tmp_path):
     assert "Shard audit of lose node 1: the holders of a shard disagreed." in sec
     assert "Shard audit of kill rank 2: clean." in sec
     assert "Regroups that wrote no `shard_adopt` event: lose node 1: generation(s) 3." in sec
+
+
+ETCD_STORE = {
+    "machine": "vm",
+    "cpus": 2,
+    "tcp": {
+        "kill": {"detection_ms": 300.0, "regroup_ms": 550.0},
+        "node_loss": {"ranks_detected_ms": 3200.0, "node_lost_ms": 5000.0},
+        "overhead": [{"step_s": 0.050, "vote_ms": 0.5}, {"step_s": 0.048, "vote_ms": 0.6}],
+    },
+    "etcd": {
+        "kill": {"detection_ms": 400.0, "regroup_ms": 850.0},
+        "node_loss": {"ranks_detected_ms": 3300.0, "node_lost_ms": 5100.0},
+        "overhead": [{"step_s": 0.066, "vote_ms": 5.0}, {"step_s": 0.064, "vote_ms": 5.2}],
+    },
+    "election_s": {"5": [4.6, 5.1]},
+    "scale": {
+        "capacity_rps": 1000.0,
+        "latency_ms_p50": 3.0,
+        "latency_ms_p99": 5.5,
+        "workers": 3,
+        "requests_per_step_2_ranks": 13.4,
+        "per_rank_step": 6.7,
+        "step_s": 2.0,
+        "rows": [
+            {
+                "ranks": 1024,
+                "nodes": 128,
+                "agents_rps": 2714.0,
+                "steps_rps": 3430.4,
+                "offered_rps": 6144.4,
+                "utilization": 6.1444,
+                "coordinator_read_ms": 7.4,
+            },
+        ],
+    },
+}
+
+
+def test_etcd_store_section(tmp_path):
+    md = _build(tmp_path, etcd_store=ETCD_STORE)
+    sec = md.split("## Control plane on etcd vs tcp", 1)[1].split("\n## ")[0]
+    assert "| tcp | 300 | 550 | 3200 | 5000 | 49.0 | 0.55 |" in sec  # medians of the A/B runs
+    assert "| etcd | 400 | 850 | 3300 | 5100 | 65.0 | 5.10 |" in sec
+    assert "Step time on etcd is +32.7% against tcp" in sec
+    assert "lease TTL 5 s: 4.60 s, 5.10 s" in sec
+    assert "| 1024 | 128 | 2714 | 3430 | 6144 | 614% | 7.4 |" in sec
+    assert "etcd_store.py --out" in sec  # the Tool's command

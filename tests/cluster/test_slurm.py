@@ -309,29 +309,58 @@ def test_lost_node_does_not_stop_the_other(slurm, tmp_path, demo_data_dir):
     assert "failure" in [e["type"] for e in job.events()]
 
 
+def _free_port_run(n: int) -> int:
+    """A port p with p .. p + n - 1 all free on this machine (the members of one job's etcd)."""
+    for _ in range(50):
+        base = _free_port()
+        try:
+            socks = []
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 @pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd: bash scripts/install_etcd.sh")
-def test_etcd_store_survives_the_loss_of_the_first_node(slurm, tmp_path, demo_data_dir):
-    """MECEFO_STORE=etcd with the site's cluster (3 members started here): no coordinator step,
+@pytest.mark.parametrize("members", ["site", "in-job"])
+def test_etcd_store_survives_the_loss_of_the_first_node(slurm, tmp_path, demo_data_dir, members):
+    """MECEFO_STORE=etcd, with the site's cluster (3 members started here) or members the job
+    starts on its first three nodes (tasks as nodes: all on this machine): no coordinator step,
     every agent keeps a candidate; SIGKILL node 0 (the head node of a tcp job, whose loss would
     end it) and node 1 finishes the run, with a coordinator elected on it."""
     from megatron_mecefo.control.etcd_cluster import LocalEtcd
 
-    etcd = LocalEtcd(tmp_path / "etcd", log=lambda m: None)
-    endpoints = ",".join(etcd.start())
+    env = {**NO_SPARES, "MECEFO_STORE": "etcd"}
+    etcd = None
+    if members == "site":
+        etcd = LocalEtcd(tmp_path / "etcd", log=lambda m: None)
+        env["MECEFO_ETCD_ENDPOINTS"] = ",".join(etcd.start())
+    else:
+        env["MECEFO_ETCD_PORT"] = str(_free_port_run(6))
+        env["MECEFO_ETCD_DATA_DIR"] = str(tmp_path / "etcd-data")
     try:
         steps = 60
-        env = {**NO_SPARES, "MECEFO_STORE": "etcd", "MECEFO_ETCD_ENDPOINTS": endpoints}
         job = submit(slurm, tmp_path, demo_data_dir, steps=steps, env=env)
         job.wait_for_step(5)
         kill_node(job, 0)
         info = job.wait()
         assert_completed(job, info, steps)
         assert job.exit_codes() == ["137", "0"], job.explain()
-        assert "coordinator.log" not in os.listdir(job.log_dir / "try0")
+        logs = os.listdir(job.log_dir / "try0")
+        assert "coordinator.log" not in logs
+        assert ("etcd_m0.log" in logs) == (members == "in-job"), logs
         assert re.search(r"candidate node1@\S+ elected", job.node_log(1)), job.explain()
         assert job.metrics()[-1]["replicas_alive"] == 1, job.metrics()[-1]
     finally:
-        etcd.stop()
+        if etcd is not None:
+            etcd.stop()
 
 
 def test_spare_node_replaces_a_lost_node(slurm, tmp_path, demo_data_dir):

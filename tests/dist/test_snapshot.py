@@ -220,7 +220,10 @@ def test_a_stale_snapshot_of_another_run_is_never_resumed(tmp_path, demo_data_di
         new = launch(tmp_path, demo_data_dir, nproc=2, steps=6, overrides=other)
         assert new.returncode == 0, new.explain()
         assert [m["step"] for m in new.metrics()] == list(range(6))  # every step, from 0
-        assert new.output.count(": ignored") >= 4, new.explain()  # each rank, each slot
+        # each clean slot of each rank (a slot caught mid-copy by the SIGTERM is not clean and
+        # is skipped without a line: CI once had 3 clean slots of 4)
+        clean = sum(h.state == CLEAN for h in heads)
+        assert new.output.count(": ignored") >= clean, new.explain()
         assert "snapshot of run " in new.output and "recovered the state" not in new.output
     finally:
         shutil.rmtree(shm, ignore_errors=True)

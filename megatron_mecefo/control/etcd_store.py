@@ -200,7 +200,7 @@ class EtcdStore(dist.Store):
 
     # ---------------------------------------------------------------- c10d Store
     def set(self, key: str, value) -> None:
-        self.client.call("/kv/put", _put(self._k(key), _to_bytes(value))["request_put"])
+        self.put(key, value)
 
     def get(self, key: str) -> bytes:
         return self.multi_get([key])[0]

@@ -52,6 +52,7 @@ from bench_common import (  # noqa: E402
 from megatron_mecefo.control import keys  # noqa: E402
 from megatron_mecefo.control.etcd_cluster import LocalEtcd  # noqa: E402
 from megatron_mecefo.control.etcd_store import EtcdStore, address  # noqa: E402
+from megatron_mecefo.failover.node.node_lease import LEASE_TTL_S  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -262,7 +263,7 @@ def _agent_worker(addr: str, nodes: list[int], seconds: float, out) -> None:
     out.put((2 * n, latencies))
 
 
-AGENT_RPS = 2 / 0.1 + 2 / (5 / 3)
+AGENT_RPS = 2 / 0.1 + 2 / (LEASE_TTL_S / 3)
 """A node agent's requests: one multi_get and one node report per 0.1 s tick, and its lease's
 renewal (keepalive and put) every TTL/3 of 5 s."""
 

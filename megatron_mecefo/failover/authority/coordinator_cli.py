@@ -16,6 +16,7 @@ import time
 
 from megatron_mecefo.control import keys
 from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.failover.authority import election
 from megatron_mecefo.failover.authority.coordinator import Coordinator
 from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--lease-ttl-s",
         type=int,
-        default=int(os.environ.get("MECEFO_LEASE_TTL_S", 5)),
+        default=int(os.environ.get("MECEFO_LEASE_TTL_S", election.DEFAULT_TTL_S)),
         help="--elect: the leader's lease; a dead leader is replaced within it "
         "($MECEFO_LEASE_TTL_S)",
     )
@@ -119,7 +120,6 @@ def run_elected(args: argparse.Namespace, cfg: DetectorConfig, store, stopped) -
     job is over or on SIGTERM; REJOIN when it stood down (lease lost, fenced, etcd unreachable):
     its agent then starts a new candidate."""
     from megatron_mecefo.control.records import Fenced
-    from megatron_mecefo.failover.authority import election
 
     def log(msg: str) -> None:
         print(msg, flush=True)

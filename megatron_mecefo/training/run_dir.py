@@ -142,6 +142,28 @@ def truncate_audit(run_dir: Path, next_step: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def committed_attempts(run_dir: Path) -> dict[int, tuple[int, int]]:
+    """step -> (generation, attempt) that committed it, from metrics.jsonl (failover runs)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out: dict[int, tuple[int, int]] = {}
+    for line in path.read_text().splitlines() if path.exists() else ():
+        try:
+            row = json.loads(line)
+            if "attempt" in row:
+                out[row["step"]] = (row["generation"], row["attempt"])
+        except (ValueError, KeyError, TypeError):
+            pass  # a row cut short by a crash
+    return out
+
+
+def is_committed_row(row: dict, attempts: dict[int, tuple[int, int]]) -> bool:
+    """A tasks audit row is logged before its vote: it counts if metrics.jsonl names its attempt
+    (a row without one, or of a step metrics does not name, counts as before)."""
+    if "attempt" not in row or row.get("step") not in attempts:
+        return True
+    return (row.get("gen"), row["attempt"]) == attempts[row["step"]]
+
+
 def environment_info() -> dict[str, Any]:
     """Git SHA, package versions, interpreter and host: enough to reproduce a run."""
     versions = {}

@@ -154,11 +154,4 @@ def test_sigkill_spread_at_sample_granularity_equals_failure_free(tmp_path, demo
 
 
 def _task_rows(res):
-    import json
-
-    rows = []
-    for path in sorted((res.run_dir / "audit").glob("tasks_rank*.jsonl")):
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            rows += [(row["step"], task) for task in row["tasks"]]
-    return rows
+    return [(row["step"], task) for row in res.task_rows() for task in row["tasks"]]

@@ -52,26 +52,31 @@ class LaunchResult:
             out[int(path.stem.removeprefix("state_rank"))] = json.loads(path.read_text())
         return out
 
+    def task_rows(self) -> list[dict]:
+        """The tasks audit rows of committed attempts (rows are logged before the vote)."""
+        from megatron_mecefo.training.run_dir import committed_attempts, is_committed_row
+
+        attempts = committed_attempts(self.run_dir)
+        rows = []
+        for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
+            rows += [json.loads(line) for line in path.read_text().splitlines()]
+        return [row for row in rows if is_committed_row(row, attempts)]
+
     def committed_tasks(self) -> list[tuple[int, int, int]]:
         """Every (step, source replica, micro-batch) any rank committed, with repeats (a
         micro-batch cut into slices appears once per slice: see `committed_samples`)."""
-        seen = []
-        for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                seen += [(row["step"], task[0], task[1]) for task in row["tasks"]]
-        return seen
+        return [
+            (row["step"], task[0], task[1]) for row in self.task_rows() for task in row["tasks"]
+        ]
 
     def committed_samples(self) -> list[tuple[int, int, int, int]]:
         """Every (step, source replica, micro-batch, sample) any rank committed, with repeats:
         a whole micro-batch gives all its samples, a slice [.., start, stop] those in range."""
         seen = []
-        for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
-            for line in path.read_text().splitlines():
-                row = json.loads(line)
-                for task in row["tasks"]:
-                    start, stop = task[3:5] if len(task) >= 5 else (0, row["micro_batch_size"])
-                    seen += [(row["step"], task[0], task[1], j) for j in range(start, stop)]
+        for row in self.task_rows():
+            for task in row["tasks"]:
+                start, stop = task[3:5] if len(task) >= 5 else (0, row["micro_batch_size"])
+                seen += [(row["step"], task[0], task[1], j) for j in range(start, stop)]
         return seen
 
     def explain(self) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mecefo.metrics.summary import check_summary as product_check_summary
+from megatron_mecefo.training.run_dir import committed_attempts, is_committed_row
 
 TAG_ENV = "MECEFO_CHAOS_TAG"
 """Environment variable carrying a job's unique marker; every process of the job inherits it."""
@@ -75,8 +76,10 @@ def committed_tasks(run_dir: Path, *, rolled_back: bool = False) -> tuple[Counte
     per_sample: dict[tuple, Counter] = {}  # micro-batches with a slice: sample -> commits
     sizes: dict[tuple, int] = {}  # their micro-batch size
     files = sorted((Path(run_dir) / "audit").glob("tasks_rank*.jsonl"))
+    attempts = committed_attempts(run_dir)  # rows are logged before the vote
     for path in files:
         rows, bad = read_jsonl(path)
+        rows = [row for row in rows if is_committed_row(row, attempts)]
         problems += bad
         kept: list[dict] = []
         for row in rows:
@@ -112,11 +115,11 @@ def check_audit(
     """Every (step, replica, micro-batch) of the job committed exactly once (`complete=False`:
     a job that ended early; only none twice and none unexpected).
 
-    A rank logs its tasks after its own optimizer update, so one that dies between the step's
-    commit decision and that write leaves them unlogged although they were committed. A missing
-    entry is such a gap, not a violation, when metrics.jsonl shows that step with the full global
-    batch (n x M micro-batches reduced) and a failure follows within two steps; each gap is
-    described in `gaps`."""
+    A rank logs its tasks before it votes, and metrics.jsonl names the (generation, attempt) that
+    committed each step, so a rank killed after the verdict leaves no gap. Runs from before
+    that logged after the update: there, a missing entry is a gap, not a violation, when
+    metrics.jsonl shows that step with the full global batch (n x M micro-batches reduced), no
+    attempt, and a failure within two steps; each gap is described in `gaps`."""
     if not (Path(run_dir) / "audit").is_dir():
         return ["audit/ is missing (run with failover.audit=true)"]
     counts, out = committed_tasks(run_dir, rolled_back=rolled_back)
@@ -148,7 +151,8 @@ def _unlogged_commits(run_dir: Path, missing: list, full: int) -> dict[str, list
         return {}
     metrics, _ = read_jsonl(Path(run_dir) / "metrics.jsonl")
     events, _ = read_jsonl(Path(run_dir) / "events.jsonl")
-    reduced = {m.get("step"): m.get("global_microbatches") for m in metrics}
+    # a step whose row names its attempt was audited before the vote: nothing to excuse
+    reduced = {m.get("step"): m.get("global_microbatches") for m in metrics if "attempt" not in m}
     failures = [e for e in events if e.get("type") == "failure"]
     out: dict[str, list] = {}
     for key in missing:

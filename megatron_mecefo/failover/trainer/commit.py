@@ -13,6 +13,7 @@ all-reduce cannot vouch for the replica's other ranks). A requested stop rides o
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,11 @@ class CommitVote:
         """The step after which every member stops (a stop was requested)."""
         self.times_s: list[float] = []
         """Wall time of each vote (including the wait for the decision)."""
+        self.before_vote: Callable[[int, int, int], None] | None = None
+        """Called with (step, generation, attempt) just before this member votes: what it logs
+        there survives a SIGKILL between the verdict and the update."""
+        self.committed_as: tuple[int, int] = (0, 0)
+        """(generation, attempt) of the last committed step."""
 
     def vote(self, step: int, ok: bool) -> bool:
         """Same verdict on every member: commit iff every member's reduction succeeded."""
@@ -62,6 +68,8 @@ class CommitVote:
         if m.generation != self._attempt_gen:  # vote keys are per (generation, step, attempt)
             self._attempt_gen, self.attempt = m.generation, 0
         g, a = m.generation, self.attempt
+        if self.before_vote is not None:
+            self.before_vote(step, g, a)
         dkey = keys.decision(g, step, a)
         latest = max(g, self.plane.latest_gen)
         verdict = None
@@ -84,7 +92,7 @@ class CommitVote:
         kind, next_gen, *flags = verdict.split(":")
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
-            self.attempt = 0
+            self.attempt, self.committed_as = 0, (g, a)
             if "stop" in flags:
                 self.stop_after = step
         else:

@@ -107,6 +107,8 @@ class FailoverManager(RunControl):
             log=log,
         )
         self.membership.vote = self.vote
+        if fcfg.audit and self.position == 0:
+            self.vote.before_vote = self._log_tasks
         self.sync = StateSync(
             self.plane,
             self.membership,
@@ -131,6 +133,7 @@ class FailoverManager(RunControl):
         )
         self.metrics_writer = lambda: self.is_leader
         self._plan_cache: tuple[tuple[int, ...], RankStepPlan | None] | None = None
+        self._step_plan: RankStepPlan | None = None  # this step's, for the audit
         self._job_degraded = False
         self._audit_files: dict[str, Any] = {}  # audit kind -> its open jsonl file
 
@@ -357,7 +360,8 @@ class FailoverManager(RunControl):
             self.vote.pending = None
             self.regroup.adopt(engine, gen, key, is_leader=lambda: self.is_leader)
         self.plane.set_phase("compute", step)
-        return self._plan(step) or engine.default_plan()
+        self._step_plan = self._plan(step) or engine.default_plan()
+        return self._step_plan
 
     def end_step(self, engine, result) -> dict[str, Any]:
         m = self.membership
@@ -376,12 +380,12 @@ class FailoverManager(RunControl):
         self.plane.next_step = result.step + 1
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
-        if self.fcfg.audit and self.position == 0:
-            self._log_tasks(engine, result.step)
         if self.fcfg.audit and train_state.is_sharded(engine.optimizer):
             self._log_shards(engine, result.step + 1)
+        generation, attempt = self.vote.committed_as
         return {
-            "generation": m.generation,
+            "generation": generation,
+            "attempt": attempt,  # with the generation, names the tasks audit's committed rows
             "replicas_alive": m.size,
             "global_microbatches": result.global_microbatches,
             "job_degraded": bool(self._job_degraded),  # any replica ran degraded micro-batches
@@ -450,13 +454,15 @@ class FailoverManager(RunControl):
             self._audit_files[kind] = open(path, "a", buffering=1)
         return self._audit_files[kind]
 
-    def _log_tasks(self, engine, step: int) -> None:
-        plan = (self._plan_cache[1] if self._plan_cache else None) or engine.default_plan()
+    def _log_tasks(self, step: int, generation: int, attempt: int) -> None:
+        """This attempt's micro-batches, logged before the vote: the attempt that metrics.jsonl
+        names for the step (generation, attempt) is the one that committed them."""
         # a slice adds its sample range: [replica, micro, degraded, start, stop]
         tasks = [
             [t.source_dp_rank, t.micro_index, int(t.degraded), *(t.samples or ())]
-            for t in plan.tasks
+            for t in self._step_plan.tasks
         ]
         line = {"step": step, "replica": self.replica, "inc": self.incarnation, "tasks": tasks}
+        line.update(gen=generation, attempt=attempt)
         line["micro_batch_size"] = self.cfg.training.micro_batch_size
         self._audit("tasks").write(json.dumps(line) + "\n")

@@ -21,6 +21,7 @@ import pytest
 
 from megatron_mecefo.control import keys
 from megatron_mecefo.control.etcd_store import EtcdStore, address
+from megatron_mecefo.control.records import posted_events
 from megatron_mecefo.errors import ExitCode
 from tests.dist.test_failover import assert_recovered
 from tests.dist.test_spares import _kill_node
@@ -115,6 +116,44 @@ def test_coordinator_killed_twice(tmp_path, demo_data_dir, cluster):
     assert failure["dp_rank"] == 1 and failure["step"] >= 16
 
 
+def test_coordinator_killed_before_writing_the_last_events(tmp_path, demo_data_dir, cluster):
+    """The elected coordinator is stopped as it publishes the rejoin generation and killed once
+    the rejoin event is posted, so that event is in etcd but not in events.jsonl, and the job
+    ends within the lease TTL. The leader waits for a new coordinator to write it."""
+    steps = 24
+    job = "coord-late"
+    posted = {}
+
+    def kill_before_the_rejoin_is_written(proc, run_dir):
+        store = EtcdStore(address(cluster.endpoints, job), 5.0)
+        deadline = time.monotonic() + 120
+        while keys.get_int(store, keys.GEN, 0) < 3:  # start, failure, then the join
+            assert time.monotonic() < deadline, "no join generation"
+            time.sleep(0.005)
+        pid = _leader_pid(cluster, job)
+        os.kill(pid, signal.SIGSTOP)
+        while not any(e["type"] == "rejoin" for e in posted_events(store)[0]):
+            assert time.monotonic() < deadline, "no rejoin event"
+            time.sleep(0.02)
+        os.kill(pid, signal.SIGKILL)
+        posted["seq"] = keys.get_int(store, keys.EVENT_SEQ)
+        posted["written"] = keys.get_int(store, keys.EVENTS_WRITTEN)
+
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("kill:1:12:2",),
+        launch_args=(*_etcd_args(cluster, job), "--warm-spares", "1"),
+        while_running=kill_before_the_rejoin_is_written,
+    )
+    assert posted["written"] < posted["seq"], posted  # the kill left events unwritten
+    assert_recovered(res, steps=steps)  # summary.json's events == events.jsonl's, among others
+    assert [e["seq"] for e in res.events()] == list(range(1, len(res.events()) + 1))
+    assert any(e["type"] == "rejoin" for e in res.events()), res.explain()
+    assert res.output.count(" elected (") >= 2, res.explain()
+
+
 def test_head_node_lost_with_a_standby(tmp_path, demo_data_dir, cluster):
     """The node whose candidate coordinates (the "head node") is lost whole."""
     steps = 60
@@ -183,6 +222,14 @@ def test_quorum_lost_stops_cleanly_then_resumes(tmp_path, demo_data_dir, cluster
     assert "etcd unreachable" in first.output and "quorum lost?" in first.output
     assert "Traceback" not in first.output, first.explain()
     assert stopped_s < 45, f"the job took {stopped_s:.0f} s to stop after the quorum was lost"
+    # every rank says where it stopped: no update without the vote, so at a step boundary
+    kept = [int(n) for n in re.findall(r"this rank's state is that of step (\d+)", first.output)]
+    assert len(kept) == 2, first.explain()
+    last = first.metrics()[-1]["step"]  # a rank may not have seen the last commit's decision
+    assert max(kept) - min(kept) <= 1 and last - 1 <= min(kept) <= max(kept) <= last + 1, (
+        kept,
+        last,
+    )
     saved = sorted(
         int(p.name.split("_")[1]) for p in (first.run_dir / "checkpoints").glob("step_*")
     )

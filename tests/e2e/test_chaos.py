@@ -1,7 +1,8 @@
 """`tools/chaos/run.py` end to end: a short fixed-seed soak against real `mecefo-launch` jobs (2
-simulated nodes x 2 ranks, tiny model, 30 steps), every invariant checked by the tool. Six jobs
-(~4 minutes on this 2-core machine when it is quiet): rank faults, coordinator kill under a CPU hog,
-a restarted leader, an agent kill and a whole node lost."""
+simulated nodes x 2 ranks, tiny model, 30 steps), every invariant checked by the tool. Seven jobs
+(~5 minutes on this 2-core machine when it is quiet): rank faults, coordinator kill under a CPU hog,
+a restarted leader, an agent kill and a whole node lost; on `--store etcd`, etcd's leader killed and
+the coordinating node lost."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.etcd import needs_etcd
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,16 +34,23 @@ CASES = [
     # seed 1, schedules 0-1: node 1's agent SIGKILLed (its ranks and snapshot process die with
     # it: nothing left behind), then node 1 lost whole
     pytest.param("agent_kill,node_loss", 1, "0,1", id="agent-and-node-loss"),
+    # on --store etcd, seed 7 schedule 0: etcd's leader SIGKILLed right after the first
+    # generation formed and restarted 6.9 s later, then the node whose candidate coordinates
+    # lost whole (tests/dist/test_etcd_failover.py times these faults exactly)
+    pytest.param(
+        "etcd_kill,head_node_loss,coordinator_kill,kill", 7, "0", id="etcd", marks=needs_etcd
+    ),
 ]
 
 
 @pytest.mark.parametrize(("kinds", "seed", "only"), CASES)
 def test_chaos_soak_survives(tmp_path, demo_data_dir, kinds, seed, only):
     out = tmp_path / "chaos"
+    store = ["--store", "etcd"] if "etcd_kill" in kinds else []
     cmd = [
         sys.executable, "tools/chaos/run.py", "--seed", str(seed), "--only", only,
         "--kinds", kinds, "--nodes", "2", "--nproc", "2", "--max-steps", "30",
-        "--out", str(out), "--demo-dir", demo_data_dir, "--job-timeout-s", "240",
+        "--out", str(out), "--demo-dir", demo_data_dir, "--job-timeout-s", "240", *store,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=570)

@@ -5,10 +5,12 @@ checked against the failover invariants.
     python tools/chaos/run.py --seed 1 --schedules 3 --kinds kill,stop,exception,smp_kill
     python tools/chaos/run.py --seed 1 --only 4 ...                   # reproduce schedule 4 alone
     python tools/chaos/run.py --seed 1 --schedules 12 --list          # print the schedules only
+    python tools/chaos/run.py --seed 1 --schedules 8 --store etcd     # on a 3-member etcd
 
 Each schedule (`tools/chaos/schedule.py`: kinds, awkward moments, acceptable exits)
 runs the tiny demo model on `--nodes` simulated nodes (one `mecefo-launch` agent each; node 0
-starts the coordinator) with `failover.audit=true`. Faults are timed by job progress (the step
+starts the coordinator, or with `--store etcd` the tool starts 3 etcd members per job and the
+agents elect one) with `failover.audit=true`. Faults are timed by job progress (the step
 from the coordinator store's job/step key and metrics.jsonl; "start" = the first generation has
 formed, before step 0). Every job carries a unique tag in its environment (and run-dir path);
 after it ends the tool checks (`tools/chaos/checks.py`): each step logged once, each
@@ -28,47 +30,33 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB_ENV = dict(os.environ)
-"""The environment jobs start with: this process quiets torch's C++ warnings (its store client
-logs a stack trace whenever the coordinator goes away), the jobs keep theirs."""
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from megatron_mecefo.control import keys  # noqa: E402
 from tools.chaos import checks  # noqa: E402
+from tools.chaos.job import JOB_ENV, Job, Probe, _kill, _killpg  # noqa: E402
 from tools.chaos.schedule import (  # noqa: E402
     KIND_HELP,
     KINDS,
     PASSING_TODAY,
+    STORES,
     Fault,
     Schedule,
     generate,
 )
 
-CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
 RETRY_S = 20.0
 """How long a fault waits for its target (a rank being restarted, a snapshot process) to exist."""
 LEFTOVER_GRACE_S = 25.0
 """After the agents exit: how long the job's processes may take to go (agent: 10 s for its
 children, 10 s for the coordinator)."""
-ROLE = {
-    "agent": "megatron_mecefo.failover.node.agent_cli",
-    "coordinator": "megatron_mecefo.failover.authority.coordinator_cli",
-    "store": "megatron_mecefo.failover.authority.store_host",
-    "smp": "megatron_mecefo.snapshot.smp",
-    "trainer": "megatron_mecefo.train",
-    "spare": "megatron_mecefo.warm_spare",
-}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -85,6 +73,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--max-steps", type=int, default=40)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    p.add_argument(
+        "--store",
+        choices=STORES,
+        default="tcp",
+        help="control-plane store (etcd: the tool starts a 3-member etcd cluster per job)",
+    )
     p.add_argument("--out", default="", help="output folder (default runs/chaos-seed<S>)")
     p.add_argument("--demo-dir", default=str(ROOT / ".cache" / "demo_data"))
     p.add_argument("--warm-spares", type=int, default=1, help="per agent (mecefo-launch)")
@@ -98,184 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     args.out = Path(args.out or ROOT / "runs" / f"chaos-seed{args.seed}").resolve()
     return args
-
-
-# ---------------------------------------------------------------------------- the job
-
-
-class Job:
-    """One schedule's `mecefo-launch` agents, tagged, with its run dir and logs under `folder`."""
-
-    def __init__(self, schedule: Schedule, folder: Path, args: argparse.Namespace):
-        self.s = schedule
-        self.tag = f"chaos-{schedule.seed}-{schedule.index}-{uuid.uuid4().hex[:8]}"
-        self.folder = folder / self.tag
-        self.run_dir = self.folder / "run"
-        self.args = args
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.agents: dict[int, subprocess.Popen] = {}
-        self.killed_agents: set[int] = set()
-        self.env = {
-            **JOB_ENV,
-            checks.TAG_ENV: self.tag,
-            "PYTHONWARNINGS": "ignore",
-            "OMP_NUM_THREADS": "1",
-        }
-
-    def trainer_args(self) -> list[str]:
-        s = self.s
-        return [
-            "--config", str(CONFIG),
-            "--max-steps", str(s.max_steps),
-            "--run-dir", str(self.run_dir),
-            f"data.demo_dir={self.args.demo_dir}",
-            "failover.audit=true",
-            "logging.print_interval=5",
-            "training.eval_interval=0",
-            "training.micro_batch_size=4",
-            f"snapshot.interval={s.snapshot_interval}",
-            "recovery.wait_all_s=20",
-            *s.inject_args(),
-        ]  # fmt: skip
-
-    def start(self) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        for node in range(self.s.nodes):
-            where = (
-                ["--coordinator-port", str(self.port)]
-                if node == 0
-                else ["--coordinator", self.address]
-            )
-            cmd = [
-                sys.executable, "-m", ROLE["agent"],
-                "--nproc-per-node", str(self.s.nproc),
-                "--nnodes", str(self.s.nodes),
-                "--node-rank", str(node),
-                "--restart-delay-s", "0.5",
-                "--warm-spares", str(self.args.warm_spares),
-                *where, "--", *self.trainer_args(),
-            ]  # fmt: skip
-            with open(self.folder / f"node{node}.log", "w") as log:
-                self.agents[node] = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,
-                    start_new_session=True,
-                )  # fmt: skip
-            if node == 0 and self.s.nodes > 1:
-                self._wait_listening(self.agents[0], 120.0)
-
-    def _wait_listening(self, agent: subprocess.Popen, bound_s: float) -> None:
-        """Start the other nodes once the coordinator store listens (bounded)."""
-        deadline = time.monotonic() + bound_s
-        while time.monotonic() < deadline and agent.poll() is None:
-            with socket.socket() as sock:
-                sock.settimeout(0.5)
-                if sock.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.2)
-
-    def processes(self, role: str | None = None) -> list[checks.Proc]:
-        procs = checks.tagged_processes(self.tag)
-        if role is None:
-            return procs
-        return [p for p in procs if f"-m {ROLE[role]} " in p.cmdline + " "]
-
-    def live_agents(self) -> list[int]:
-        return [
-            n for n, p in self.agents.items() if n not in self.killed_agents and p.poll() is None
-        ]
-
-    def ended(self) -> bool:
-        """Every agent the schedule did not kill exited; if some were killed, their orphaned
-        trainers are gone too (else the run ends when the remaining agents do)."""
-        if self.live_agents():
-            return False
-        if not self.killed_agents:
-            return True
-        return not (self.processes("trainer") or self.processes("spare"))
-
-    def exit_codes(self) -> dict[int, int | None]:
-        return {n: p.poll() for n, p in self.agents.items() if n not in self.killed_agents}
-
-    def kill_all(self) -> None:
-        """SIGKILL every process of the job (agents' sessions, then anything tagged), bounded."""
-        for proc in self.agents.values():
-            _killpg(proc.pid)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            left = self.processes()
-            if not left:
-                break
-            checks.kill_processes(left)
-            time.sleep(0.2)
-        for proc in self.agents.values():
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-class Probe:
-    """Reads the job's progress: the coordinator store (job step, generation, ranks' pids) and
-    metrics.jsonl. The store may be gone (coordinator killed): every read is bounded, and a
-    failed connection is retried at most once a second."""
-
-    def __init__(self, job: Job):
-        self.job = job
-        self.store = None
-        self._retry_at = 0.0
-        self.metrics_step = -1
-        self._offset = 0
-        self.step_seen = -1
-        self.step_changed = time.monotonic()
-
-    def _get(self, key: str) -> bytes | None:
-        now = time.monotonic()
-        if self.store is None and now >= self._retry_at:
-            try:
-                self.store = keys.connect(self.job.address, 2.0)
-            except Exception:  # noqa: BLE001 - not up yet, or gone
-                self._retry_at = now + 1.0
-                return None
-        if self.store is None:
-            return None
-        try:
-            return self.store.get(key) if self.store.check([key]) else None
-        except Exception:  # noqa: BLE001 - the store went away
-            self.store, self._retry_at = None, now + 1.0
-            return None
-
-    def step(self) -> int:
-        """The step the job is in: the store's job/step, or one past metrics' last step."""
-        path = self.job.run_dir / "metrics.jsonl"
-        if path.exists():
-            with open(path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-            complete = chunk[: chunk.rfind(b"\n") + 1]
-            self._offset += len(complete)
-            for line in complete.splitlines():
-                try:
-                    self.metrics_step = max(self.metrics_step, json.loads(line)["step"])
-                except (ValueError, KeyError):
-                    pass
-        raw = self._get(keys.JOB_STEP)
-        step = max(self.metrics_step + 1, int(raw) if raw else -1)
-        if step > self.step_seen:
-            self.step_seen, self.step_changed = step, time.monotonic()
-        return step
-
-    def generation(self) -> int:
-        raw = self._get(keys.GEN)
-        return int(raw) if raw else 0
-
-    def rank_pid(self, rank: int) -> int | None:
-        """The pid of `rank`'s current process, if it is alive and belongs to the job."""
-        raw = self._get(keys.registration(rank))
-        if raw is None:
-            return None
-        pid = int(json.loads(raw)["pid"])
-        return pid if pid in {p.pid for p in self.job.processes()} else None
 
 
 # ---------------------------------------------------------------------------- faults
@@ -300,6 +116,8 @@ class Faults:
             self.timers.remove((when, what, target))
             if what == "cont":
                 self._cont(target)
+            elif what == "etcd_start":
+                self._etcd_start(target)
             else:
                 self._unhog()
         for fault in list(self.pending):
@@ -332,6 +150,22 @@ class Faults:
             return _kill(self.job.agents[f.node].pid, signal.SIGKILL), f"SIGKILL agent {f.node}"
         if kind == "node_loss":
             return self._lose_node(f.node)
+        if kind == "head_node_loss":
+            if self.job.etcd is None:
+                return self._lose_node(0)
+            elected = self.probe.coordinator()
+            if elected is None:
+                return False, "no elected coordinator"
+            done, detail = self._lose_node(elected[0])
+            return done, f"node {elected[0]} coordinates: {detail}"
+        if kind == "etcd_kill":
+            return self._etcd_kill(f.hold_s)
+        if kind == "coordinator_kill" and self.job.etcd is not None:
+            elected = self.probe.coordinator()
+            if elected is None:
+                return False, "no elected coordinator"
+            node, proc = elected
+            return _kill(proc.pid, signal.SIGKILL), f"SIGKILL node {node}'s candidate {proc.pid}"
         if kind in ("smp_kill", "coordinator_kill"):
             role = "smp" if kind == "smp_kill" else "coordinator"
             hits = [
@@ -366,6 +200,39 @@ class Faults:
         return True, f"SIGKILL agent {node} and {len(under)} process(es) " + ",".join(
             str(p.pid) for p in under
         )
+
+    def _etcd_kill(self, hold_s: float) -> tuple[bool, str]:
+        """SIGKILL the etcd leader, restarted hold_s later; members still down are restarted
+        first, so one etcd_kill never costs the quorum."""
+        etcd = self.job.etcd
+        if etcd is None:
+            return False, "the job does not run on etcd"
+        for when, what, target in [t for t in self.timers if t[1] == "etcd_start"]:
+            self.timers.remove((when, what, target))
+            self._etcd_start(target)
+        try:
+            etcd.wait_healthy(15.0)
+            leader = etcd.leader(5.0)
+        except (TimeoutError, RuntimeError) as exc:
+            return False, f"etcd not healthy: {exc}"
+        etcd.kill(leader)
+        self.timers.append((time.monotonic() + hold_s, "etcd_start", leader))
+        return True, f"SIGKILL etcd leader m{leader} for {hold_s:.1f} s"
+
+    def _etcd_start(self, member: int) -> None:
+        """Restart a killed member; bounded wait until it serves again."""
+        from megatron_mecefo.control.etcd_store import EtcdClient
+
+        etcd = self.job.etcd
+        etcd.start_member(member)
+        client = EtcdClient([("127.0.0.1", etcd.client_ports[member])], 1.0)
+        deadline = time.monotonic() + 15.0
+        while time.monotonic() < deadline:
+            try:
+                client.status(timeout_s=1.0)
+                return
+            except Exception:  # noqa: BLE001 - not serving yet
+                time.sleep(0.1)
 
     def _hog(self, hold_s: float) -> tuple[bool, str]:
         env = {k: v for k, v in JOB_ENV.items() if k != checks.TAG_ENV}
@@ -406,8 +273,15 @@ def run_schedule(s: Schedule, args: argparse.Namespace) -> dict:
     probe = Probe(job)
     faults = Faults(job, probe)
     limit = args.job_timeout_s or 180 + 3 * s.max_steps + 45 * len(s.faults)
-    start = faults.job_started = time.monotonic()
-    hang = None
+    faults.job_started = time.monotonic()
+    try:
+        return _run(job, probe, faults, limit, args)
+    finally:
+        job.stop_etcd()  # after the checks: the job's keys live there
+
+
+def _run(job: Job, probe: Probe, faults: Faults, limit: float, args) -> dict:
+    start, hang = faults.job_started, None
     try:
         job.start()
         while not job.ended():
@@ -536,6 +410,7 @@ def _notes(job: Job, faults: Faults, events: list[dict]) -> list[str]:
     failed = Counter(r for e in events if e.get("type") == "failure" for r in e.get("ranks") or [])
     hit = {f.rank for f in job.s.faults if f.rank is not None}
     hit |= {r for f in job.s.faults if f.node is not None for r in job.s.ranks_of(f.node)}
+    hit |= {r for n in job.killed_agents for r in job.s.ranks_of(n)}  # head_node_loss
     for e in events:
         if e.get("type") == "failure" and not set(e.get("ranks") or []) & hit:
             notes.append(f"failure of rank(s) {e.get('ranks')} no fault hit: {e.get('detail')}")
@@ -581,30 +456,6 @@ def _wait_gone(job: Job, bound_s: float) -> list[checks.Proc]:
         time.sleep(0.25)
 
 
-# ---------------------------------------------------------------------------- helpers
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _kill(pid: int, sig: signal.Signals) -> bool:
-    try:
-        os.kill(pid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-
-
-def _killpg(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -633,7 +484,7 @@ def main(argv=None) -> int:
     try:
         plans = [
             generate(args.seed, i, nodes=args.nodes, nproc=args.nproc,
-                     max_steps=args.max_steps, kinds=args.kinds)
+                     max_steps=args.max_steps, kinds=args.kinds, store=args.store)
             for i in args.indices
         ]  # fmt: skip
     except ValueError as exc:

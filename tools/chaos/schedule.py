@@ -22,6 +22,8 @@ KINDS = (
     "coordinator_kill",
     "node_loss",
     "cpu_hog",
+    "etcd_kill",
+    "head_node_loss",
 )
 """Every fault kind, in the order schedules cycle through them (`Fault.kind`)."""
 KIND_HELP = {
@@ -39,10 +41,16 @@ KIND_HELP = {
     "spares, snapshot process; on node 0 also the coordinator it started: a head-node loss, "
     "which every rank answers with COORDINATOR_LOST, exit 6)",
     "cpu_hog": "one busy-loop process per core beside the job for hold_s seconds",
+    "etcd_kill": "(--store etcd) SIGKILL the etcd member that leads now, restart it hold_s "
+    "later; a member still down from an earlier etcd_kill is restarted first (a quorum stays)",
+    "head_node_loss": "node_loss of the node that coordinates: tcp, node 0 (its store: exit 6); "
+    "etcd, the node whose candidate was elected (a new one is elected: exit 0)",
 }
-PASSING_TODAY = ("kill", "stop", "exception", "smp_kill", "coordinator_kill", "cpu_hog")
-"""Kinds the failover core survives at the time of writing; agent_kill and node_loss wait for the
-fix of processes left behind when an agent dies."""
+STORES = ("tcp", "etcd")
+"""The control-plane stores a schedule runs on (`mecefo-launch --store`)."""
+PASSING_TODAY = KINDS
+"""Kinds the failover core survives at the time of writing (each is in tests/e2e/test_chaos.py;
+etcd_kill needs --store etcd)."""
 MOMENTS = ("start", "step", "rejoin")
 """When a fault fires: right after the first generation forms (before step 0), when the job
 reaches `step`, or (trainer-side) while a rejoining replica's state is sent or received."""
@@ -117,6 +125,8 @@ class Schedule:
     faults: list[Fault]
     kinds: tuple[str, ...]
     """The kinds it was drawn from (part of what reproduces it)."""
+    store: str = "tcp"
+    """One of STORES."""
 
     @property
     def world(self) -> int:
@@ -141,16 +151,24 @@ class Schedule:
         return out
 
     def agents_killed(self) -> set[int]:
-        """Nodes whose agent the schedule SIGKILLs (their exit code says nothing)."""
-        return {f.node for f in self.faults if f.kind in ("agent_kill", "node_loss")}
+        """Nodes whose agent the schedule SIGKILLs (their exit code says nothing); a
+        head_node_loss on etcd hits the node elected at the time, known only then."""
+        out = {f.node for f in self.faults if f.kind in ("agent_kill", "node_loss")}
+        if self.store == "tcp" and any(f.kind == "head_node_loss" for f in self.faults):
+            out.add(0)
+        return out
 
     def acceptable_exits(self) -> dict[int, str]:
         """Exit codes of the surviving agents this schedule may end with, and why."""
         lost = int(ExitCode.COORDINATOR_LOST)
-        if any(f.kind == "node_loss" and f.node == 0 for f in self.faults):
+        head = any(
+            (f.kind == "node_loss" and f.node == 0) or f.kind == "head_node_loss"
+            for f in self.faults
+        )
+        if head and self.store == "tcp":
             return {lost: "the head node and its coordinator store are lost (docs/failover.md)"}
         ok = {int(ExitCode.OK): "finished every step"}
-        if any(f.kind == "agent_kill" and f.node == 0 for f in self.faults):
+        if self.store == "tcp" and any(f.kind == "agent_kill" and f.node == 0 for f in self.faults):
             ok[lost] = "the coordinator may go with the head node's agent (its launcher)"
         if not self.recoverable and self.may_lose_every_replica():
             ok[int(ExitCode.JOB_ABORTED)] = (
@@ -168,16 +186,21 @@ class Schedule:
                 hit.add(f.rank)
             elif f.kind in ("node_loss", "agent_kill") and f.node is not None:
                 hit.update(self.ranks_of(f.node))  # agent_kill: if its ranks die with it
+        heads = {0} if self.store == "tcp" else set(range(self.nodes))  # whichever is elected
+        if any(f.kind == "head_node_loss" for f in self.faults):
+            return any(hit | set(self.ranks_of(h)) >= set(range(self.world)) for h in heads)
         return hit >= set(range(self.world))
 
     def describe(self) -> str:
         snap = f" snap={self.snapshot_interval}" if self.snapshot_interval else ""
-        return f"{', '.join(f.describe() for f in self.faults)}{snap}"
+        store = " etcd" if self.store == "etcd" else ""
+        return f"{', '.join(f.describe() for f in self.faults)}{snap}{store}"
 
     def repro(self, tool: str = "tools/chaos/run.py") -> str:
         return (
             f"python {tool} --seed {self.seed} --only {self.index} --nodes {self.nodes} "
             f"--nproc {self.nproc} --max-steps {self.max_steps} --kinds {','.join(self.kinds)}"
+            + (f" --store {self.store}" if self.store != "tcp" else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -194,22 +217,32 @@ def _dies(f: Fault) -> bool:
     return f.kind != "stop" or f.hold_s > HEARTBEAT_TIMEOUT_S
 
 
-def possible_kinds(kinds, nodes: int) -> tuple[str, ...]:
-    """The kinds a layout can take: losing or orphaning a whole node needs a second node."""
+def possible_kinds(kinds, nodes: int, store: str = "tcp") -> tuple[str, ...]:
+    """The kinds a layout can take: losing or orphaning a whole node needs a second node, and
+    killing an etcd member the etcd store."""
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise ValueError(f"unknown fault kind(s) {bad}; known: {', '.join(KINDS)}")
-    return tuple(k for k in kinds if nodes > 1 or k not in ("agent_kill", "node_loss"))
+    if store not in STORES:
+        raise ValueError(f"unknown store {store!r}; known: {', '.join(STORES)}")
+    whole_node = ("agent_kill", "node_loss", "head_node_loss")
+    return tuple(
+        k
+        for k in kinds
+        if (nodes > 1 or k not in whole_node) and (store == "etcd" or k != "etcd_kill")
+    )
 
 
-def generate(seed: int, index: int, *, nodes: int, nproc: int, max_steps: int, kinds) -> Schedule:
+def generate(
+    seed: int, index: int, *, nodes: int, nproc: int, max_steps: int, kinds, store: str = "tcp"
+) -> Schedule:
     """Schedule `index` of `seed`: its first fault's kind cycles through `kinds` (so N schedules
     cover min(N, len(kinds)) kinds), then 0-2 more faults of random kinds. Awkward moments are
     drawn on purpose: before step 0, on the leader (rank 0), twice on one rank, during a rejoin."""
     kinds = tuple(kinds)
-    usable = possible_kinds(kinds, nodes)
+    usable = possible_kinds(kinds, nodes, store)
     if not usable:
-        raise ValueError(f"none of the kinds {kinds} applies to {nodes} node(s)")
+        raise ValueError(f"none of the kinds {kinds} applies to {nodes} node(s) on {store}")
     if nodes < 1 or nproc < 1 or nodes * nproc < 2 or max_steps < 8:
         raise ValueError("need at least 2 ranks and max_steps >= 8")
     rng = random.Random(f"mecefo-chaos:{seed}:{index}")
@@ -230,6 +263,7 @@ def generate(seed: int, index: int, *, nodes: int, nproc: int, max_steps: int, k
         snapshot_interval=1 if wants_snapshot else 0,
         faults=faults,
         kinds=kinds,
+        store=store,
     )
 
 
@@ -246,6 +280,13 @@ def _draw(kind: str, rng: random.Random, prior: list[Fault], *, nodes, nproc, la
         return Fault(kind=kind, step=step)
     if kind == "cpu_hog":
         return Fault(kind=kind, step=rng.randint(0, last_step // 2), hold_s=rng.uniform(8, 20))
+    if kind == "etcd_kill":  # down for longer or shorter than an election (~1 s) and a lease
+        hold = rng.uniform(0.5, 8.0)
+        if rng.random() < 0.2:
+            return Fault(kind=kind, at="start", hold_s=hold, why="before step 0")
+        return Fault(kind=kind, step=step, hold_s=hold)
+    if kind == "head_node_loss":
+        return Fault(kind=kind, step=step, why="the coordinating node")
     rank, why = _pick_rank(rng, prior, world)
     taken = {(f.rank, f.step) for f in prior if f.by_trainer}
     if kind == "exception":
@@ -284,9 +325,9 @@ def _join(a: str, b: str) -> str:
 
 
 def schedules(
-    seed: int, count: int, *, nodes: int, nproc: int, max_steps: int, kinds
+    seed: int, count: int, *, nodes: int, nproc: int, max_steps: int, kinds, store: str = "tcp"
 ) -> list[Schedule]:
     return [
-        generate(seed, i, nodes=nodes, nproc=nproc, max_steps=max_steps, kinds=kinds)
+        generate(seed, i, nodes=nodes, nproc=nproc, max_steps=max_steps, kinds=kinds, store=store)
         for i in range(count)
     ]

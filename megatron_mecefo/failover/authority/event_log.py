@@ -30,6 +30,7 @@ class EventLog:
         self.writer: EventWriter | None = None
         self.next_event = 1
         self._missing: dict[int, float] = {}  # event index -> first seen without a value
+        self._marked: int | None = None  # the EVENTS_WRITTEN this instance last set
 
     def drain(self) -> None:
         if self.writer is None:
@@ -41,6 +42,12 @@ class EventLog:
             self.next_event = max(self.next_event, last_seq(path, ours) + 1)
             self.writer = EventWriter(path, float(start))
         last = keys.get_int(self.store, keys.EVENT_SEQ, 0)
+        self._copy(last)
+        if self.next_event - 1 != self._marked:  # the job's leader waits for this before it ends
+            self.store.set(keys.EVENTS_WRITTEN, str(self.next_event - 1))
+            self._marked = self.next_event - 1
+
+    def _copy(self, last: int) -> None:
         while self.next_event <= last:
             key = keys.event(self.next_event)
             if not self.store.check([key]):  # posted counter first, value next: next tick

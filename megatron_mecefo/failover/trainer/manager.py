@@ -36,7 +36,7 @@ from megatron_mecefo.control.records import Registration, post_event, posted_eve
 from megatron_mecefo.data.build_lock import shared_preparation
 from megatron_mecefo.errors import DistributedSetupError, QuorumTimeoutError
 from megatron_mecefo.failover.liveness.heartbeat import Heartbeat
-from megatron_mecefo.failover.trainer import groups
+from megatron_mecefo.failover.trainer import crash, groups
 from megatron_mecefo.failover.trainer.collectives import AbortableCollectives
 from megatron_mecefo.failover.trainer.commit import CommitVote
 from megatron_mecefo.failover.trainer.membership import LiveMembership
@@ -48,6 +48,10 @@ from megatron_mecefo.plan.step_plan import RankStepPlan
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.session import RunControl
 from megatron_mecefo.training.stop import StopFlag
+
+EVENTS_WAIT_S = 15.0
+"""How long the leader waits at the end for posted events to reach events.jsonl: an elected
+coordinator's lease TTL (5 s), its restore and a tick, with room to spare."""
 
 
 class FailoverManager(RunControl):
@@ -291,6 +295,7 @@ class FailoverManager(RunControl):
                 )
             time.sleep(0.02)
         self.regroup.adopt(engine, gen, f"pg/{gen}", is_leader=lambda: self.is_leader)
+        crash.note_next_step(self.plane.next_step)
         return self.plane.next_step
 
     def layout(self, ctx) -> dict[str, Any]:
@@ -378,6 +383,7 @@ class FailoverManager(RunControl):
                 )
             return {}
         self.plane.next_step = result.step + 1
+        crash.note_next_step(result.step + 1)
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and train_state.is_sharded(engine.optimizer):
@@ -401,6 +407,7 @@ class FailoverManager(RunControl):
             info = {"next_step": self.plane.next_step, **train_state.digest(engine)}
             path.write_text(json.dumps(info))
         if self.is_leader:
+            self._await_events_written()
             keys.raise_flag(self.store, keys.DONE, "1")
         times = self.vote.times_s
         summary["failover"] = {  # this process's view; the job's counts come from events
@@ -410,6 +417,25 @@ class FailoverManager(RunControl):
             "final_generation": self.membership.generation,
             "vote_ms_median": round(1000 * statistics.median(times), 3) if times else None,
         }
+
+    def _await_events_written(self) -> None:
+        """Before DONE (after which no candidate campaigns): until the coordinator wrote every
+        posted event to events.jsonl, bounded. An elected coordinator killed near the end is
+        replaced within its lease TTL, and the new one writes what it left."""
+        deadline = time.monotonic() + EVENTS_WAIT_S
+        while True:
+            posted = keys.get_int(self.store, keys.EVENT_SEQ, 0)
+            written = keys.get_int(self.store, keys.EVENTS_WRITTEN, 0)
+            if written >= posted:
+                return
+            if time.monotonic() > deadline:
+                print(
+                    f"[failover] events.jsonl lacks events {written + 1}..{posted}: no "
+                    f"coordinator wrote them within {EVENTS_WAIT_S:.0f} s",
+                    flush=True,
+                )
+                return
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------ plans and audit
     def _plan(self, step: int) -> RankStepPlan | None:

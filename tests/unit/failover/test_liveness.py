@@ -279,6 +279,28 @@ def test_an_event_whose_poster_died_midway_does_not_block_the_rest(store, tmp_pa
     assert [(r["type"], r["seq"]) for r in rows] == [("abort", 2)]
 
 
+def test_the_written_mark_follows_events_jsonl_across_a_coordinator_restart(store, tmp_path):
+    """The job's leader ends only once `EVENTS_WRITTEN` reaches the posted count: each drain
+    moves it, and a new coordinator whose predecessor wrote every line before dying (mark not
+    yet set) sets it from the file."""
+    from megatron_mecefo.failover.authority.event_log import EventLog
+
+    store.set(keys.RUN_DIR, f"{tmp_path}|{time.time()}")
+    for i in range(3):
+        post_event(store, "failure", step=i, dp_rank=0)
+    first = EventLog(store)
+    first.drain()
+    assert keys.get_int(store, keys.EVENTS_WRITTEN) == 3
+    post_event(store, "rejoin", step=4, dp_rank=0)
+    first.drain()
+    assert keys.get_int(store, keys.EVENTS_WRITTEN) == 4
+    store.set(keys.EVENTS_WRITTEN, "3")  # as if it died between the line and the mark
+    EventLog(store).drain()
+    assert keys.get_int(store, keys.EVENTS_WRITTEN) == 4
+    rows = (tmp_path / "events.jsonl").read_text().splitlines()
+    assert [json.loads(x)["seq"] for x in rows] == [1, 2, 3, 4]  # no line twice
+
+
 def _aggregated_report(store, seq: int, beats: dict[int, int], state: str = "S") -> None:
     entries = {str(r): [0, 1, state, 1, b, "0:3:compute"] for r, b in beats.items()}
     store.set(keys.node_key(0), json.dumps({"seq": seq, "ranks": entries}))

@@ -45,7 +45,7 @@ def test_a_schedule_depends_only_on_seed_index_layout_and_kinds():
 
 
 def test_first_faults_cycle_through_the_kinds_and_stay_in_range():
-    plans = schedules(1, 3 * len(KINDS), kinds=KINDS, **LAYOUT)
+    plans = schedules(1, 3 * len(KINDS), kinds=KINDS, store="etcd", **LAYOUT)
     firsts = {p.index % len(KINDS): p for p in plans}
     for i, kind in enumerate(KINDS):
         assert any(f.kind == kind for f in firsts[i].faults), (kind, firsts[i].describe())
@@ -65,8 +65,15 @@ def test_first_faults_cycle_through_the_kinds_and_stay_in_range():
 
 def test_kinds_that_need_a_node_or_snapshots_get_them():
     assert possible_kinds(KINDS, nodes=1) == tuple(
-        k for k in KINDS if k not in ("agent_kill", "node_loss")
+        k for k in KINDS if k not in ("agent_kill", "node_loss", "head_node_loss", "etcd_kill")
     )
+    assert possible_kinds(KINDS, nodes=2, store="etcd") == KINDS
+    assert "etcd_kill" not in possible_kinds(KINDS, nodes=2)  # tcp has no etcd to kill
+    with pytest.raises(ValueError, match="unknown store"):
+        possible_kinds(KINDS, nodes=2, store="zookeeper")
+    etcd = generate(2, 0, kinds=("etcd_kill",), store="etcd", **LAYOUT)
+    assert etcd.faults[0].kind == "etcd_kill" and etcd.faults[0].hold_s > 0
+    assert etcd.repro().endswith("--kinds etcd_kill --store etcd")
     with pytest.raises(ValueError, match="none of the kinds"):
         generate(0, 0, nodes=1, nproc=2, max_steps=40, kinds=("node_loss",))
     with pytest.raises(ValueError, match="unknown fault kind"):
@@ -122,6 +129,27 @@ def test_acceptable_exits_follow_what_the_design_survives():
     ) == [0]
     agent = [Fault(kind="agent_kill", step=5, node=0)]
     assert sorted(_schedule(agent, nodes=2).acceptable_exits()) == [0, 6]
+
+
+def test_on_etcd_no_node_is_the_head():
+    def etcd(faults, nodes=2, nproc=2, snapshot=0):
+        s = _schedule(faults, snapshot=snapshot, nodes=nodes, nproc=nproc)
+        s.store = "etcd"
+        return s
+
+    head = [Fault(kind="head_node_loss", step=5)]
+    assert sorted(_schedule(head, nodes=2).acceptable_exits()) == [6]  # tcp: node 0's store
+    assert _schedule(head, nodes=2).agents_killed() == {0}
+    assert sorted(etcd(head).acceptable_exits()) == [0]  # a candidate elsewhere is elected
+    assert etcd(head).agents_killed() == set()  # the node elected then: known when it fires
+    for kind in ("node_loss", "agent_kill"):
+        assert sorted(etcd([Fault(kind=kind, step=5, node=0)]).acceptable_exits()) == [0]
+    assert sorted(etcd([Fault(kind="etcd_kill", step=5, hold_s=3.0)]).acceptable_exits()) == [0]
+    # a head loss plus a kill on the other node may lose every replica, whichever node leads
+    both = head + [Fault(kind="kill", step=6, rank=0)]
+    assert 8 in etcd(both, nproc=1).acceptable_exits()
+    assert 8 not in etcd(both, nproc=1, snapshot=1).acceptable_exits()
+    assert 8 not in etcd(head, nproc=1).acceptable_exits()
 
 
 def test_fault_validation_and_inject_args():
@@ -238,6 +266,28 @@ def test_a_rank_that_died_right_after_a_commit_leaves_a_gap_not_a_violation(tmp_
     _write_jsonl(run / "metrics.jsonl", metrics)
     (v,) = checks.check_audit(run, 6, 2, 2, gaps=gaps)
     assert "never committed: (1, 1, 0), (1, 1, 1)" in v
+
+
+def test_rows_logged_before_the_vote_count_only_for_the_committed_attempt(tmp_path):
+    run = _good_run(tmp_path)  # replica 1 fails at step 2 (events)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for m in metrics:  # step 2's attempt 0 of generation 1 aborted; generation 2 redid it
+        m.update(generation=2 if m["step"] >= 2 else 1, attempt=0)
+    _write_jsonl(run / "metrics.jsonl", metrics)
+    for r in range(2):
+        path = run / "audit" / f"tasks_rank{r}.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        for row in rows:
+            row.update(gen=2 if row["step"] >= 2 else 1, attempt=0)
+        aborted = {**rows[2], "gen": 1}  # logged before a vote that aborted
+        _write_jsonl(path, rows[:2] + [aborted] + rows[2:])
+    assert checks.check_audit(run, 6, 2, 2) == []
+    path = run / "audit" / "tasks_rank1.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    _write_jsonl(path, rows[:1] + rows[2:])  # step 1 missing: audited before the vote, no excuse
+    gaps: list[str] = []
+    (v,) = checks.check_audit(run, 6, 2, 2, gaps=gaps)
+    assert "never committed: (1, 1, 0), (1, 1, 1)" in v and gaps == []
 
 
 def test_rows_a_recovery_rolled_back_are_not_double_commits(tmp_path):

@@ -9,7 +9,9 @@ It is a real c10d store (a Python subclass of `torch.distributed.Store`): the co
 per-generation gloo rendezvous on a `PrefixStore` of it work unchanged.
 
 - etcd has no increment: `add` and `append` are a read, then a transaction on that key's
-  revision, retried when another writer came first.
+  revision, retried when another writer came first. The transaction also writes a key unique to
+  the call (`/mecefo-ops/JOB/...`, on a short lease): a request resent because its answer was lost
+  finds that key and returns what the first one wrote, so no add counts twice.
 - Requests go through `etcd3gw` (pinned, imported lazily) to one endpoint at a time; an endpoint
   that does not answer, or a member that has lost its leader, sends the request to the next one
   until the operation's deadline. Past it, `EtcdUnavailable` (a `DistStoreError`, as a TCPStore
@@ -24,13 +26,19 @@ from __future__ import annotations
 
 import base64
 import datetime
+import itertools
 import time
+import uuid
 from collections.abc import Iterable
 
 import torch.distributed as dist
 
 SCHEME = "etcd://"
 ROOT = "/mecefo/"
+OPS_ROOT = "/mecefo-ops/"
+"""Where `add`/`append` mark each call as done (outside the job's keys: `num_keys` ignores them)."""
+OPS_LEASE_S = 120
+"""Those marks expire with a lease of this TTL (a new lease every half of it)."""
 REQUEST_TIMEOUT_S = 2.0
 """One HTTP request to one member; a lost leader makes etcd itself answer after ~1-5 s."""
 MAX_TXN_OPS = 128
@@ -133,12 +141,16 @@ class EtcdClient:
                 pause = min(0.5, pause * 2)
 
     # ---------------------------------------------------------------- kv
-    def range(self, key: str, *, prefix: bool = False, count_only: bool = False) -> dict:
+    def range(
+        self, key: str, *, prefix: bool = False, count_only: bool = False, keys_only: bool = False
+    ) -> dict:
         payload: dict = {"key": _b64(key)}
         if prefix:
             payload["range_end"] = _b64(_prefix_end(key))
         if count_only:
             payload["count_only"] = True
+        if keys_only:
+            payload["keys_only"] = True
         return self.call("/kv/range", payload)
 
     def txn(self, compare: list[dict], success: list[dict], failure: list[dict]) -> dict:
@@ -192,6 +204,9 @@ class EtcdStore(dist.Store):
         self.job = job
         self.root = f"{ROOT}{job}/"
         self.client = EtcdClient(endpoints, timeout_s)
+        self._ops = f"{OPS_ROOT}{job}/{uuid.uuid4().hex[:12]}-"
+        self._op_count = itertools.count()
+        self._op_lease: tuple[int, float] | None = None  # (lease, when granted)
         self._timeout_s = timeout_s
         self.set_timeout(datetime.timedelta(seconds=timeout_s))
 
@@ -254,6 +269,12 @@ class EtcdStore(dist.Store):
             _unb64(kv.get("value"))
             for kv in self.client.range(self._k(prefix), prefix=True).get("kvs") or []
         ]
+
+    def keys_with_prefix(self, prefix: str) -> list[str]:
+        """The rest of every key that starts with `prefix` (one request, no values)."""
+        kvs = self.client.range(self._k(prefix), prefix=True, keys_only=True).get("kvs") or []
+        cut = len(self._k(prefix))
+        return [_unb64(kv["key"]).decode()[cut:] for kv in kvs]
 
     def count_prefix(self, prefix: str) -> int:
         """How many keys start with `prefix`."""
@@ -325,8 +346,11 @@ class EtcdStore(dist.Store):
             pause = min(0.05, pause * 1.5)
 
     def _update(self, key: str, change) -> bytes:
-        """Read-modify-write of one key on its revision; retried when another writer won."""
+        """Read-modify-write of one key on its revision; retried when another writer won. The
+        transaction also sets this call's mark: when a lost answer made the client resend it and
+        the first send had been applied, the mark says so, with the value it wrote."""
         k = self._k(key)
+        mark = f"{self._ops}{next(self._op_count)}"
         while True:
             kvs = self.client.range(k).get("kvs") or []
             old = _unb64(kvs[0].get("value")) if kvs else None
@@ -337,5 +361,18 @@ class EtcdStore(dist.Store):
                 else {"key": _b64(k), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
             )
             new = change(old)
-            if self.client.txn([cond], [_put(k, new)], []).get("succeeded"):
+            res = self.client.txn(
+                [cond], [_put(k, new), _put(mark, new, self._lease())], [_get(mark)]
+            )
+            if res.get("succeeded"):
                 return new
+            done = _value_of(res["responses"][0]) if res.get("responses") else None
+            if done is not None:  # this call was applied before: never apply it twice
+                return done
+
+    def _lease(self) -> int:
+        """The lease the marks of `_update` expire with (renewed by a new grant, not kept alive)."""
+        now = time.monotonic()
+        if self._op_lease is None or now - self._op_lease[1] > OPS_LEASE_S / 2:
+            self._op_lease = (self.grant(OPS_LEASE_S), now)
+        return self._op_lease[0]

@@ -86,6 +86,51 @@ def test_answers_as_a_tcpstore_does(cluster):
 
 
 @needs_etcd
+def test_an_add_whose_answer_was_lost_counts_once(cluster):
+    """The member applies the transaction but its answer never arrives (a connection reset):
+    the client resends it to the next member, which must not add again."""
+    from etcd3gw import exceptions as ex
+
+    store = _store(cluster, job="lost-answer")
+    store.add("votes", 5)
+    lost = []
+    for client in store.client._clients:
+        real = client.post
+
+        def post(url, json=None, _real=real, **kw):
+            answer = _real(url, json=json, **kw)
+            if url.endswith("/kv/txn") and not lost:
+                lost.append(url)
+                raise ex.ConnectionFailedError("connection reset (test)")
+            return answer
+
+        client.post = post
+    assert store.add("votes", 1) == 6
+    assert lost and int(store.get("votes")) == 6  # not 7
+    store.append("log", "a,")
+    assert store.get("log") == b"a,"
+    assert store.num_keys() == 2  # the marks live outside the job's keys
+
+
+@needs_etcd
+def test_a_lease_key_goes_when_its_lease_expires(cluster):
+    """What the coordinator reads of node leases (`keys_with_prefix`): present while renewed,
+    gone after the TTL without renewal, with no one deleting it."""
+    store = _store(cluster, job="leases")
+    held, dropped = store.grant(2), store.grant(2)
+    store.put("agents/alive/4", "t", lease=held)
+    store.put("agents/alive/5", "t", lease=dropped)
+    store.set("agents/alivex", "not under the prefix")
+    assert sorted(store.keys_with_prefix("agents/alive/")) == ["4", "5"]
+    deadline = time.monotonic() + 6
+    while "5" in store.keys_with_prefix("agents/alive/"):
+        assert time.monotonic() < deadline, "the expired lease's key stayed"
+        assert store.keepalive(held) > 0
+        time.sleep(0.3)
+    assert store.keys_with_prefix("agents/alive/") == ["4"]
+
+
+@needs_etcd
 def test_concurrent_adds_lose_nothing(cluster):
     seen: list[int] = []
     lock = threading.Lock()

@@ -1,8 +1,8 @@
 """Spare nodes, the coordinator's side.
 
 A standby agent (`mecefo-launch --standby`) runs no rank; it lists its id in `standby/log` once
-and bumps `standby/<id>` every tick. When
-a working node is lost (its agent's report has not moved for `agent_timeout_s`: the agent died,
+and bumps `standby/<id>` every tick. When a working node is lost (`NodeWatch.lost`: its agent's
+report has not moved for `agent_timeout_s`, or on etcd its agent's lease expired: the agent died,
 alone or with its ranks), the pool gives the node to a free standby: `node_owner/<node>` and
 `assign/<id>`. The standby starts the node's ranks with new incarnations; they join from a live
 peer like any restarted rank, so degraded takeover only covers the seconds in between. Events:
@@ -70,9 +70,10 @@ class SparePool:
         """`incarnations`: node -> {rank: incarnation} now; `full_strength(node, at_loss)`: every
         rank of `node` is a member again with an incarnation newer than at the loss."""
         for node, ranks in incarnations.items():
-            silent = watch.silent_s(node, now)
-            if node in self.lost or silent is None or silent <= self.agent_timeout_s:
+            why = None if node in self.lost else watch.lost(node, now)
+            if why is None:
                 continue
+            silent = watch.silent_s(node, now) or 0.0  # its last report: when it failed
             rec = {"standby": None, "failure_epoch_s": time.time() - silent, "incarnations": ranks}
             self.lost[node] = rec
             self._save(node)
@@ -83,12 +84,11 @@ class SparePool:
                 dp_rank=None,
                 ranks=sorted(ranks),
                 epoch_s=rec["failure_epoch_s"],
-                detail=f"node {node}: its agent silent for {silent:.1f} s",
+                detail=f"node {node}: {why}; last report {silent:.1f} s ago",
             )
-            self.log(f"[coordinator] node {node} lost (agent silent for {silent:.1f} s)")
+            self.log(f"[coordinator] node {node} lost ({why}; last report {silent:.1f} s ago)")
         for node, rec in list(self.lost.items()):
-            silent = watch.silent_s(node, now)
-            if rec["standby"] is None and silent is not None and silent <= self.agent_timeout_s:
+            if rec["standby"] is None and watch.lost(node, now) is None:
                 self.log(f"[coordinator] node {node}'s agent is back; it restarts its own ranks")
                 del self.lost[node]
                 self.store.delete_key(keys.replacement(node))

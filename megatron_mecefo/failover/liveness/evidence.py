@@ -7,11 +7,15 @@ shares no interpreter with the trainers, publishes one key per node (`records.No
 writer per node) with what the kernel says of each of its ranks: pid, incarnation, scheduler state
 and CPU time. The coordinator turns a silent heartbeat into a verdict:
 
-- GONE: the process is stopped (SIGSTOP, `T`), a zombie, or absent, or the agent itself is silent
-  (node lost) - dead at the soft timeout;
+- GONE: the process is stopped (SIGSTOP, `T`), a zombie, or absent, or its node is lost - dead at
+  the soft timeout;
 - SLOW: the agent sees the process running or sleeping - dead only at the hard timeout;
 - UNKNOWN: no agent reports on this rank (e.g. threads as ranks in tests) - dead at the soft
   timeout, as before.
+
+A node is lost when its agent's report has not moved for `agent_timeout_s` (tcp store), or, on an
+etcd store, when the lease of the agent that last reported for it expired (`set_leases`, from
+`failover/node/node_lease.py`'s keys): etcd itself says the agent is gone.
 
 No torch import.
 """
@@ -52,6 +56,9 @@ class NodeWatch:
         self.agent_timeout_s = agent_timeout_s
         self.nodes: dict[int, _Node] = {}
         self.node_of: dict[int, int] = {}  # rank -> node, from the reports
+        self.leases: set[int] | None = None
+        """etcd: the agent ids whose lease key exists (None: no leases, judge by silence)."""
+        self._touched: dict[int, float] = {}  # node -> when it was given to a standby
 
     def update(self, node: int, report: NodeReport, now: float) -> None:
         st = self.nodes.setdefault(node, _Node())
@@ -69,6 +76,21 @@ class NodeWatch:
         """Restart one node's age (it was just given to a standby that has yet to report)."""
         if node in self.nodes:
             self.nodes[node].changed = now
+            self._touched[node] = now
+
+    def lost(self, node: int, now: float) -> str | None:
+        """Why `node` is lost (its agent's lease expired, or it is silent), or None. A node just
+        given to a standby is not lost again for `agent_timeout_s` (its first report)."""
+        st = self.nodes.get(node)
+        if st is None:
+            return None
+        owner = _owner(st.seq)
+        if self.leases is not None and owner is not None:
+            if now - self._touched.get(node, float("-inf")) <= self.agent_timeout_s:
+                return None
+            return None if owner in self.leases else f"agent {owner}'s etcd lease expired"
+        age = now - st.changed
+        return f"its agent is silent ({age:.1f} s)" if age > self.agent_timeout_s else None
 
     def refresh(self, now: float) -> None:
         """Forget the ages seen so far (the coordinator itself was paused or just restarted)."""
@@ -95,8 +117,9 @@ class NodeWatch:
             return Verdict.UNKNOWN, "no agent reports on it"
         st = self.nodes[node]
         age = now - st.changed
-        if age > self.agent_timeout_s:
-            return Verdict.GONE, f"its node's agent is silent too ({age:.1f} s)"
+        lost = self.lost(node, now)
+        if lost is not None:
+            return Verdict.GONE, f"its node is lost: {lost}"
         entry = st.ranks.get(rank)
         if entry is None or entry.incarnation > incarnation:
             return Verdict.GONE, "its agent no longer runs this incarnation"
@@ -107,3 +130,9 @@ class NodeWatch:
         if st.changed < silent_since + FRESH_MARGIN_S:
             return Verdict.UNKNOWN, f"its agent has not reported since it fell silent ({age:.1f} s)"
         return Verdict.SLOW, f"process {entry.pid} is alive (state {entry.state})"
+
+
+def _owner(seq: int | str) -> int | None:
+    """The agent id in a node report's seq (`"<agent id>:<report seq>"`, `agent.py`)."""
+    head, sep, _ = str(seq).partition(":")
+    return int(head) if sep and head.isdigit() else None

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from megatron_mecefo.control import keys, local_beat
 from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.training import boundary
 from megatron_mecefo.training.stop import StopFlag
 
 
@@ -83,7 +84,8 @@ class Heartbeat(threading.Thread):
                     first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                     self._exit(
                         ExitCode.COORDINATOR_LOST,
-                        f"coordinator unreachable for {self.coordinator_timeout_s:.1f} s ({first})",
+                        f"coordinator unreachable for {self.coordinator_timeout_s:.1f} s "
+                        f"({first}); {boundary.describe()}",
                     )
                 self._reconnect()
 

@@ -20,6 +20,7 @@ import torch
 from megatron_mecefo.control import keys
 from megatron_mecefo.errors import QuorumTimeoutError
 from megatron_mecefo.failover.trainer.plane import ControlPlane
+from megatron_mecefo.training import boundary
 from megatron_mecefo.training.membership import Membership
 from megatron_mecefo.training.stop import StopFlag
 
@@ -93,6 +94,7 @@ class CommitVote:
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
             self.attempt, self.committed_as = 0, (g, a)
+            boundary.note_committed(step)
             if "stop" in flags:
                 self.stop_after = step
         else:

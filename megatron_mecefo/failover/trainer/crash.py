@@ -6,8 +6,8 @@ prints its traceback, is reported dead to the coordinator at once (not by heartb
 exits FAILURE. The agent restarts REJOIN and FAILURE.
 
 An etcd store that no member serves (its quorum lost) is a COORDINATOR_LOST exit at once, with the
-step boundary this rank stopped at: an update is applied only after the commit vote, which needs
-the store, so the state this rank ends with is that of its last committed step.
+step boundary this rank stopped at (`training/boundary.py`): an update is applied only after the
+commit vote, which needs the store.
 """
 
 from __future__ import annotations
@@ -19,31 +19,12 @@ import traceback
 from megatron_mecefo.control import keys
 from megatron_mecefo.control.records import read_generation, read_registration
 from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.training import boundary
 
 COMM_WORDS = ("gloo", "NCCL", "Connection", "Timed out")
 """An error text with one of these is a collective's: wait a little for the coordinator's view."""
 STORE_LOST = "etcd unreachable"
 """`control.etcd_store.EtcdUnavailable`'s text (it may reach here re-raised by torch's C++)."""
-_next_step: int | None = None
-
-
-def note_next_step(step: int) -> None:
-    """The step this trainer runs next (every earlier one is committed): set by the manager
-    before anything else of the step touches the store."""
-    global _next_step
-    _next_step = step
-
-
-def boundary() -> str:
-    """Where this trainer stopped, for the line of a store loss."""
-    if _next_step is None:
-        return "stopped before joining the job"
-    if _next_step == 0:
-        return "stopped at step 0: no step was applied"
-    return (
-        f"stopped at a step boundary: step {_next_step} was not applied; this rank's state is "
-        f"that of step {_next_step - 1}"
-    )
 
 
 def wait_for_removal(store, rank: int, timeout_s: float) -> str | None:
@@ -65,7 +46,7 @@ def crash_code(exc: Exception, rank: int, address: str, incarnation: int) -> int
     text = str(exc)
     first = text.splitlines()[0] if text else type(exc).__name__  # no C++ frames
     if STORE_LOST in text:
-        print(f"error: rank {rank}: {first}; {boundary()}", file=sys.stderr, flush=True)
+        print(f"error: rank {rank}: {first}; {boundary.describe()}", file=sys.stderr, flush=True)
         return int(ExitCode.COORDINATOR_LOST)
     comm_error = any(w in text for w in COMM_WORDS)
     try:

@@ -36,7 +36,7 @@ from megatron_mecefo.control.records import Registration, post_event, posted_eve
 from megatron_mecefo.data.build_lock import shared_preparation
 from megatron_mecefo.errors import DistributedSetupError, QuorumTimeoutError
 from megatron_mecefo.failover.liveness.heartbeat import Heartbeat
-from megatron_mecefo.failover.trainer import crash, groups
+from megatron_mecefo.failover.trainer import groups
 from megatron_mecefo.failover.trainer.collectives import AbortableCollectives
 from megatron_mecefo.failover.trainer.commit import CommitVote
 from megatron_mecefo.failover.trainer.membership import LiveMembership
@@ -45,6 +45,7 @@ from megatron_mecefo.failover.trainer.regroup import Regroup
 from megatron_mecefo.failover.trainer.transfer import StateSync
 from megatron_mecefo.plan.from_config import plans_for_members
 from megatron_mecefo.plan.step_plan import RankStepPlan
+from megatron_mecefo.training import boundary
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.session import RunControl
 from megatron_mecefo.training.stop import StopFlag
@@ -295,7 +296,7 @@ class FailoverManager(RunControl):
                 )
             time.sleep(0.02)
         self.regroup.adopt(engine, gen, f"pg/{gen}", is_leader=lambda: self.is_leader)
-        crash.note_next_step(self.plane.next_step)
+        boundary.note_joined(self.plane.next_step)
         return self.plane.next_step
 
     def layout(self, ctx) -> dict[str, Any]:
@@ -383,7 +384,6 @@ class FailoverManager(RunControl):
                 )
             return {}
         self.plane.next_step = result.step + 1
-        crash.note_next_step(result.step + 1)
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and train_state.is_sharded(engine.optimizer):

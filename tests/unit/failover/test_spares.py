@@ -100,3 +100,31 @@ def test_a_replaced_node_is_at_full_strength_once_its_ranks_train(store):
     c.ranks[2].progress = "1:21:reduce"
     assert c._trains_again(at_loss)
     assert not c._trains_again({2: 0, 3: 1})  # rank 3 in the incarnation that was lost
+
+
+def test_on_etcd_a_node_is_lost_when_its_agents_lease_expires(store):
+    """With leases the agent's lease, not its report's age, decides: a node whose report is old
+    but whose agent holds its lease is not lost; one whose agent's lease is gone is, at once;
+    the standby it is given is not judged by the dead agent's lease before it reports."""
+    pool = SparePool(store, agent_timeout_s=1.0, log=lambda m: None)
+    watch = NodeWatch(agent_timeout_s=1.0)
+    watch.update(0, NodeReport("5:1", {}), now=0.0)  # agent 5 reports for node 0
+    watch.update(1, NodeReport("6:1", {}), now=0.0)  # agent 6 for node 1
+    _standby(store, 1, seq=1)
+    pool.read(now=0.3)
+    watch.leases = {5, 6}
+    pool.tick(3.0, watch, RANKS, lambda n, a: False, step=2)  # reports 3 s old, leases held
+    assert pool.lost == {}
+    watch.leases = {5}  # agent 6's lease expired
+    assert watch.lost(1, 0.4) == "agent 6's etcd lease expired"
+    _standby(store, 1, seq=2)
+    pool.read(now=0.4)
+    pool.tick(0.4, watch, RANKS, lambda n, a: False, step=3)
+    assert set(pool.lost) == {1} and store.get(keys.assign(1)) == b"1"
+    lost = [e for e in posted_events(store)[0] if e["type"] == "node_lost"]
+    assert "agent 6's etcd lease expired" in lost[0]["detail"]
+    assert watch.lost(1, 0.9) is None  # given to the standby: its first report is awaited
+    assert watch.lost(1, 1.5) is not None  # ... for agent_timeout_s at most
+    watch.update(1, NodeReport("7:1", {}), now=1.0)  # the standby (agent 7) reports
+    watch.leases = {5, 7}
+    assert watch.lost(1, 1.5) is None

@@ -117,7 +117,7 @@ def test_a_lease_key_goes_when_its_lease_expires(cluster):
     """What the coordinator reads of node leases (`keys_with_prefix`): present while renewed,
     gone after the TTL without renewal, with no one deleting it."""
     store = _store(cluster, job="leases")
-    held, dropped = store.grant(2), store.grant(2)
+    held, dropped = store.grant(10), store.grant(2)  # held: renewed, with room for a slow box
     store.put("agents/alive/4", "t", lease=held)
     store.put("agents/alive/5", "t", lease=dropped)
     store.set("agents/alivex", "not under the prefix")

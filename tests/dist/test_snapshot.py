@@ -110,12 +110,15 @@ def _node_1_memory_lost_after_three_deaths(shm_root):
 def _three_nodes_losing_node_1_memory(tmp_path, demo_data_dir, shm_root, overrides):
     """Three nodes, every trainer SIGKILLed at step 8, then node 1's memory and snapshot process
     lost: the launch's result."""
+    # 8 micro-batches a step (~4x the compute, the same snapshot): the snapshot processes' parity
+    # keeps up with one snapshot per step on a loaded 2-core box; at 2, CI once saw parity lag
+    # two steps behind the two slots a rank keeps, leaving no step to rebuild from
     return launch_nodes(
         tmp_path,
         demo_data_dir,
         nnodes=3,
         steps=14,
-        overrides=overrides,
+        overrides=(*overrides, "training.num_microbatches=8"),
         inject=("kill:0:8", "kill:1:8", "kill:2:8"),
         launch_args=("--restart-delay-s", "3"),
         while_running=_node_1_memory_lost_after_three_deaths(shm_root),

@@ -47,6 +47,10 @@ report at once) is cut into transactions of this many reads (each one consistent
 _UNAVAILABLE = ("no leader", "request timed out", "leader changed", "not capable", "unhealthy")
 
 
+UNAVAILABLE_TEXT = "etcd unreachable"
+"""How `EtcdUnavailable`'s text starts (it may reach a handler re-raised by torch's C++)."""
+
+
 class EtcdUnavailable(dist.DistStoreError):
     """No endpoint of the cluster served a request in time (members down, or quorum lost)."""
 
@@ -132,7 +136,7 @@ class EtcdClient:
             if time.monotonic() >= deadline:
                 hosts = ",".join(f"{h}:{p}" for h, p in self.endpoints)
                 raise EtcdUnavailable(
-                    f"etcd unreachable: no member of {hosts} served a request for "
+                    f"{UNAVAILABLE_TEXT}: no member of {hosts} served a request for "
                     f"{self.timeout_s if timeout_s is None else timeout_s:.1f} s, quorum lost? "
                     f"(last: {last})"
                 )

@@ -260,6 +260,19 @@ def new_log_entries(store, log_key: str, seen_chars: int) -> tuple[list[int], in
     return sorted({int(x) for x in text[seen_chars:].split(",") if x}), len(text)
 
 
+def has_leases(store) -> bool:
+    """The store is an etcd store (`control/etcd_store.py`): it has leases, and node agents hold
+    one each (`failover/node/node_lease.py`)."""
+    return hasattr(store, "grant")
+
+
+def leased_agents(store) -> set[int] | None:
+    """The agent ids whose lease key (`agent_alive`) exists, or None on a store without leases."""
+    if not has_leases(store):
+        return None
+    return {int(a) for a in store.keys_with_prefix(AGENT_ALIVE) if a.isdigit()}
+
+
 def get_int(store, key: str, default: int = 0) -> int:
     if not store.check([key]):
         return default

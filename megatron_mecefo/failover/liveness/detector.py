@@ -134,9 +134,7 @@ class Detector:
         node), and from the per-rank keys only for ranks no fresh report carries (no agent, the
         agent has yet to report this incarnation, or it stalled and its ranks beat directly)."""
         covered = self._read_node_reports(now)
-        if hasattr(self.store, "keys_with_prefix"):  # etcd: the agents' leases say who lives
-            alive = self.store.keys_with_prefix(keys.AGENT_ALIVE)
-            self.nodes.leases = {int(a) for a in alive if a.isdigit()}
+        self.nodes.leases = keys.leased_agents(self.store)  # etcd: the leases say who lives
         ranks = [r for r in self.registered() if r not in covered]
         if not ranks:
             return

@@ -14,8 +14,8 @@ and CPU time. The coordinator turns a silent heartbeat into a verdict:
   timeout, as before.
 
 A node is lost when its agent's report has not moved for `agent_timeout_s` (tcp store), or, on an
-etcd store, when the lease of the agent that last reported for it expired (`set_leases`, from
-`failover/node/node_lease.py`'s keys): etcd itself says the agent is gone.
+etcd store, when the lease of the agent that last reported for it expired (`NodeWatch.leases`,
+from `failover/node/node_lease.py`'s keys): etcd itself says the agent is gone.
 
 No torch import.
 """

@@ -20,7 +20,7 @@ LEASE_TTL_S = 5
 
 
 def uses_leases(store) -> bool:
-    return hasattr(store, "grant")
+    return keys.has_leases(store)
 
 
 def check_fresh_launch(store, job: str) -> None:

@@ -16,15 +16,13 @@ import sys
 import time
 import traceback
 
-from megatron_mecefo.control import keys
+from megatron_mecefo.control import etcd_store, keys
 from megatron_mecefo.control.records import read_generation, read_registration
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.training import boundary
 
 COMM_WORDS = ("gloo", "NCCL", "Connection", "Timed out")
 """An error text with one of these is a collective's: wait a little for the coordinator's view."""
-STORE_LOST = "etcd unreachable"
-"""`control.etcd_store.EtcdUnavailable`'s text (it may reach here re-raised by torch's C++)."""
 
 
 def wait_for_removal(store, rank: int, timeout_s: float) -> str | None:
@@ -45,7 +43,7 @@ def crash_code(exc: Exception, rank: int, address: str, incarnation: int) -> int
     """Report and classify `exc` (see the module docstring); returns the exit code."""
     text = str(exc)
     first = text.splitlines()[0] if text else type(exc).__name__  # no C++ frames
-    if STORE_LOST in text:
+    if etcd_store.UNAVAILABLE_TEXT in text:
         print(f"error: rank {rank}: {first}; {boundary.describe()}", file=sys.stderr, flush=True)
         return int(ExitCode.COORDINATOR_LOST)
     comm_error = any(w in text for w in COMM_WORDS)

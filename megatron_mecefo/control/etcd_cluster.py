@@ -98,24 +98,39 @@ class LocalEtcd:
         self.log(f"[etcd] {len(self.names)} members on {where} ({self.data_dir})")
         return self.endpoints
 
-    def leader(self, timeout_s: float = 10.0) -> int:
-        """Index of the member that leads now."""
+    def _status(self, i: int) -> dict | None:
+        """Member `i`'s status, or None if it is down or does not answer within 1 s."""
         from megatron_mecefo.control.etcd_store import EtcdClient
 
+        if self.procs[i] is None or self.procs[i].poll() is not None:
+            return None
+        client = EtcdClient([("127.0.0.1", self.client_ports[i])], 1.0)
+        try:
+            return client.status(timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - that member cannot say
+            return None
+
+    def leader(self, timeout_s: float = 10.0) -> int:
+        """Index of the member that leads now."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for i, port in enumerate(self.client_ports):
-                if self.procs[i] is None or self.procs[i].poll() is not None:
-                    continue
-                client = EtcdClient([("127.0.0.1", port)], 1.0)
-                try:
-                    status = client.status(timeout_s=1.0)
-                except Exception:  # noqa: BLE001 - that member cannot say; ask the next
-                    continue
-                if status.get("leader") and status["leader"] == status["header"]["member_id"]:
+            for i in range(len(self.names)):
+                status = self._status(i)
+                if status and status.get("leader") == status["header"]["member_id"]:
                     return i
             if time.monotonic() > deadline:
                 raise TimeoutError(f"no etcd leader within {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+    def restart_member(self, i: int, timeout_s: float) -> None:
+        """Start a stopped member again and wait until it answers; TimeoutError after
+        `timeout_s`."""
+        self.start_member(i)
+        deadline = time.monotonic() + timeout_s
+        while self._status(i) is None:
+            if time.monotonic() > deadline:
+                name = self.names[i]
+                raise TimeoutError(f"etcd member {name} not serving after {timeout_s:.0f} s")
             time.sleep(0.1)
 
     def wait_healthy(self, timeout_s: float) -> None:

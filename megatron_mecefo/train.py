@@ -93,13 +93,11 @@ def _failover_control(cfg, args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_mecefo.control.proc import die_with_parent, quiet_library_warnings
+    from megatron_mecefo.control.proc import forks_die_with_parent, quiet_library_warnings
     from megatron_mecefo.metrics.rank_log import redirect_rank_output
 
     quiet_library_warnings(os.environ)  # before megatron is imported
-    # whatever this process forks (megatron's async checkpoint writers) dies with it, even when
-    # it is SIGKILLed: no writer outlives its trainer holding files and pipes open
-    os.register_at_fork(after_in_child=die_with_parent)
+    forks_die_with_parent()
     redirect_rank_output()  # MECEFO_RANK_LOG_DIR: this rank's own log file (pretrain.sbatch)
     args = parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))

@@ -14,6 +14,12 @@ import sys
 from collections.abc import MutableMapping
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+FORK_NAME = "mecefo-fork"
+"""`/proc/PID/comm` of a process forked by one that called `forks_die_with_parent` (a trainer's
+async checkpoint writers), set once it is bound to die with its parent: `ps -o pid,comm` tells
+them apart from their parent, whose command line they share."""
 
 CPP_LOG_LEVEL = ("TORCH_CPP_LOG_LEVEL", "FATAL")
 """torch's C++ log level for a launcher and everything it starts (a value already set wins).
@@ -48,6 +54,33 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         return
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+
+def forks_die_with_parent() -> None:
+    """Whatever this process forks from now on (megatron's async checkpoint writers) dies with
+    it, even when it is SIGKILLed: no writer outlives its trainer holding files and pipes open.
+
+    A parent that dies between the fork and the child's `prctl` would never be reported to the
+    child, so the child checks its parent pid after the `prctl` and kills itself if it changed.
+    Forks must come from the main thread (see `die_with_parent`)."""
+    parent = [os.getpid()]
+
+    def note_parent() -> None:
+        parent[0] = os.getpid()
+
+    def bind_child() -> None:
+        die_with_parent()
+        if os.getppid() != parent[0]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _set_name(FORK_NAME)
+
+    os.register_at_fork(before=note_parent, after_in_child=bind_child)
+
+
+def _set_name(name: str) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def quiet_cpp_logs(environ: MutableMapping[str, str]) -> None:

@@ -14,6 +14,7 @@ import uuid
 
 import pytest
 
+from megatron_mecefo.control.proc import FORK_NAME
 from megatron_mecefo.metrics.summary import check_summary
 from tests.helpers.cli import ROOT, metric_rows, run_train
 from tests.helpers.launch import job_processes, launch
@@ -60,9 +61,9 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, demo_data_dir):
 
 
 def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 180) -> int:
-    """Wait for a trainer to be mid-save (a forked writer alive, and megatron's spawned
-    result-queue process up under a trainer whose command line holds `trainer`) and SIGSTOP that
-    writer, so the launcher is killed while the save is still under way however fast it is;
+    """Wait for a trainer to be mid-save (a forked writer alive and bound to die with it, and
+    megatron's spawned result-queue process up under a trainer whose command line holds
+    `trainer`) and SIGSTOP that writer, so the launcher is killed while the save is still under way however fast it is;
     returns the writer's pid."""
     deadline = time.monotonic() + limit_s
     while True:
@@ -81,9 +82,12 @@ def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 
             and procs[ppid][2] == cmd
         ]
         for pid in writers if spawned else ():
-            try:
+            try:  # a writer names itself once bound to die with its trainer: stop it after that
+                with open(f"/proc/{pid}/comm") as fh:
+                    if fh.read().strip() != FORK_NAME:
+                        continue
                 os.kill(pid, signal.SIGSTOP)
-            except ProcessLookupError:
+            except (FileNotFoundError, ProcessLookupError):
                 continue
             time.sleep(0.05)
             if job_processes(mark).get(pid, (0, ""))[1] == "T":

@@ -23,6 +23,7 @@ from megatron_mecefo.control import keys
 from megatron_mecefo.control.etcd_store import EtcdStore, address
 from megatron_mecefo.control.records import posted_events, read_generation
 from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.failover.node.candidate import CandidateId
 from tests.dist.test_failover import assert_recovered
 from tests.dist.test_spares import _kill_node
 from tests.helpers.etcd import cluster, needs_etcd  # noqa: F401 - a fixture
@@ -49,8 +50,7 @@ def _leader_pid(cluster, job: str) -> int:
     import psutil
 
     store = EtcdStore(address(cluster.endpoints, job), 5.0)
-    holder = store.get(keys.COORD_LEADER).decode()
-    agent = int(holder.rsplit(":", 1)[1])
+    agent = CandidateId.parse(store.get(keys.COORD_LEADER).decode()).agent_pid
     for child in psutil.Process(agent).children():
         if "--elect" in child.cmdline():
             return child.pid
@@ -178,8 +178,7 @@ def test_head_node_lost_with_a_standby(tmp_path, demo_data_dir, cluster):
     def lose_head_node(procs, run_dir):
         _wait_step(run_dir, 5)
         store = EtcdStore(address(cluster.endpoints, job), 5.0)
-        holder = store.get(keys.COORD_LEADER).decode()  # "node<i>@host:pid"
-        lost_node.append(int(re.match(r"node(\d+)@", holder).group(1)))
+        lost_node.append(CandidateId.parse(store.get(keys.COORD_LEADER).decode()).node)
         _kill_node(procs[lost_node[0]])
 
     res = launch_nodes(

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron_mecefo.control import keys  # noqa: E402
+from megatron_mecefo.failover.node.candidate import CandidateId  # noqa: E402
 from tools.chaos import checks  # noqa: E402
 from tools.chaos.schedule import Schedule  # noqa: E402
 
@@ -229,11 +230,10 @@ class Probe:
         raw = self._get(keys.COORD_LEADER)
         if raw is None:
             return None
-        holder = raw.decode()  # "node<N>[-standby]@host:agent pid" (agent_cli)
-        node = int(holder.split("@")[0].removeprefix("node").split("-")[0])
+        holder = CandidateId.parse(raw.decode())
         for p in self.job.processes("coordinator"):
             if f" --elect {holder} " in p.cmdline + " ":
-                return node, p
+                return holder.node, p
         return None
 
     def rank_pid(self, rank: int) -> int | None:

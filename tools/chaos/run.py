@@ -203,7 +203,7 @@ class Faults:
 
     def _etcd_kill(self, hold_s: float) -> tuple[bool, str]:
         """SIGKILL the etcd leader, restarted hold_s later; members still down are restarted
-        first, so one etcd_kill never costs the quorum."""
+        first, so one etcd_kill never costs the quorum. Fired once another member leads."""
         etcd = self.job.etcd
         if etcd is None:
             return False, "the job does not run on etcd"
@@ -217,7 +217,13 @@ class Faults:
             return False, f"etcd not healthy: {exc}"
         etcd.kill(leader)
         self.timers.append((time.monotonic() + hold_s, "etcd_start", leader))
-        return True, f"SIGKILL etcd leader m{leader} for {hold_s:.1f} s"
+        try:  # landed only once the others elected a leader of their own
+            successor = etcd.leader(10.0)
+        except TimeoutError:
+            return False, f"SIGKILL etcd leader m{leader}: no new leader within 10 s"
+        if successor == leader:
+            return False, f"SIGKILL etcd leader m{leader}: it still leads"
+        return True, f"SIGKILL etcd leader m{leader} for {hold_s:.1f} s; m{successor} leads"
 
     def _etcd_start(self, member: int) -> None:
         """Restart a killed member; bounded wait until it serves again (a member that does

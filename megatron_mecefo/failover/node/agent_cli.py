@@ -27,7 +27,7 @@ from megatron_mecefo.control import etcd_cluster, etcd_store
 from megatron_mecefo.control.proc import die_with_parent, ignore_stop_signal, quiet_cpp_logs
 from megatron_mecefo.errors import ExitCode, MecefoError
 from megatron_mecefo.failover.node.agent import Agent
-from megatron_mecefo.failover.node.candidate import CandidateKeeper
+from megatron_mecefo.failover.node.candidate import CandidateId, CandidateKeeper
 
 DIE_WITH_PARENT_ENV = "MECEFO_DIE_WITH_PARENT"
 """`1` (set by launch/local/run.sh for the agents it starts in the background): the agent stops
@@ -154,11 +154,11 @@ def etcd_control_plane(args: argparse.Namespace):
         args.etcd_endpoints = ",".join(local.start())
     job = args.job_id = args.job_id or f"job-{uuid.uuid4().hex[:12]}"
     address = etcd_store.address(_endpoints(args), job)
-    who = f"node{args.node_rank}" + ("-standby" if args.standby else "")
+    who = CandidateId(args.node_rank, bool(args.standby), socket.gethostname(), os.getpid())
     keeper = CandidateKeeper(
         address,
         args.nnodes * args.nproc_per_node,
-        f"{who}@{socket.gethostname()}:{os.getpid()}",
+        str(who),
         args.coordinator_arg,
         log=lambda m: print(f"[agent {args.node_rank}] {m}", flush=True),
     )

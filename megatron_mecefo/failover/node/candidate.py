@@ -9,13 +9,38 @@ killed) until the agent stops. At most one candidate of the job coordinates at a
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
+from dataclasses import dataclass
 
 from megatron_mecefo.control.proc import die_with_parent, ignore_stop_signal
 
 RESTART_DELAY_S = 0.5
+
+_ID = re.compile(r"node(\d+)(-standby)?@(.+):(\d+)")
+
+
+@dataclass(frozen=True)
+class CandidateId:
+    """Who a candidate is: `node<N>[-standby]@host:agent pid`, the value of the leader key."""
+
+    node: int
+    standby: bool
+    host: str
+    agent_pid: int
+
+    def __str__(self) -> str:
+        return f"node{self.node}{'-standby' if self.standby else ''}@{self.host}:{self.agent_pid}"
+
+    @classmethod
+    def parse(cls, text: str) -> CandidateId:
+        found = _ID.fullmatch(text)
+        if found is None:
+            raise ValueError(f"not a candidate id (node<N>[-standby]@host:pid): {text!r}")
+        node, standby, host, pid = found.groups()
+        return cls(int(node), standby is not None, host, int(pid))
 
 
 def _child_setup() -> None:

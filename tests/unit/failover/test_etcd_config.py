@@ -6,6 +6,7 @@ import pytest
 
 from megatron_mecefo.control import etcd_store
 from megatron_mecefo.failover.node import agent_cli
+from megatron_mecefo.failover.node.candidate import CandidateId
 
 
 def test_address_round_trip_and_bad_addresses():
@@ -21,6 +22,18 @@ def test_address_round_trip_and_bad_addresses():
     ):
         with pytest.raises(ValueError):
             etcd_store.parse(bad)
+
+
+def test_candidate_id_round_trip():
+    for who, text in (
+        (CandidateId(3, False, "gpu-a17", 4242), "node3@gpu-a17:4242"),
+        (CandidateId(12, True, "h.example:x", 7), "node12-standby@h.example:x:7"),
+    ):
+        assert str(who) == text
+        assert CandidateId.parse(text) == who
+    for bad in ("node@h:1", "node1-spare@h:1", "node1@h", "node1@:1", "x node1@h:1"):
+        with pytest.raises(ValueError):
+            CandidateId.parse(bad)
 
 
 def _usage_error(capsys, argv) -> str:

@@ -1,7 +1,8 @@
 """`tools/chaos/run.py` on stand-in jobs (no trainer starts): a job that never progresses is
 killed at its bound and reported as a hang with nothing left behind; a job whose "agent" exits 0
 but leaves a tagged process behind is reported (and the process killed); a node loss takes every
-process under the node's agent. The agent is a small Python process with the job's tag."""
+process under the node's agent. The agent is a small Python process with the job's tag. An
+etcd_kill on a real 3-member etcd counts as fired only once another member leads."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from tests.helpers.etcd import cluster, needs_etcd  # noqa: F401 - a fixture
 from tools.chaos import checks
 from tools.chaos import run as chaos
 from tools.chaos.schedule import Fault, Schedule
@@ -113,3 +116,21 @@ def test_node_loss_kills_the_agent_and_everything_under_it(tmp_path, fake_agents
     finally:
         job.kill_all()
     assert checks.tagged_processes(job.tag) == []
+
+
+@needs_etcd
+@pytest.mark.parametrize("lands", [True, False], ids=["kill", "no-op kill"])
+def test_etcd_kill_has_landed_only_once_another_member_leads(cluster, monkeypatch, lands):  # noqa: F811
+    if not lands:
+        monkeypatch.setattr(type(cluster), "kill", lambda self, i, sig=None: None)
+    job = SimpleNamespace(etcd=cluster, s=SimpleNamespace(faults=[]))
+    faults = chaos.Faults(job, probe=None)
+    leader = cluster.leader()
+    done, detail = faults._fire(Fault(kind="etcd_kill", step=0, hold_s=60.0))
+    assert done == lands, detail
+    if lands:
+        assert cluster.procs[leader].poll() is not None, "the leader was not killed"
+        assert cluster.leader() != leader and f"m{cluster.leader()} leads" in detail
+        assert [t[1:] for t in faults.timers] == [("etcd_start", leader)]
+    else:
+        assert detail.endswith("it still leads")

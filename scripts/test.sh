@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 bash scripts/install_etcd.sh  # the etcd store's tests run a real 3-member cluster
 set +e
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests "$@"
 rc=$?
 set -e
 if [ "${rc}" -eq 5 ]; then

@@ -481,7 +481,7 @@ def test_convergence_study_section_renders_committed_studies(tmp_path, monkeypat
             }
         )  # fmt: skip
     )
-    monkeypatch.setattr(report, "STUDY_DIR", study)
+    monkeypatch.setattr(sys.modules["report_sections"], "STUDY_DIR", study)
     md = "\n".join(report.section_convergence_study(None))
     row = "| kjv | 8 | all | 2 | moderate | neighbor | 3 | +1.00 +- 0.20 | [+0.50, +1.50] | yes "
     assert row in md

@@ -37,6 +37,7 @@ def _load_tool():
 
 
 cp = _load_tool()
+model = sys.modules["control_plane_model"]  # the job's model, split from the tool
 
 
 class MemStore:
@@ -151,7 +152,7 @@ def test_removed_replicas_reads_what_the_record_type_writes():
         rec = GenerationRecord(members, removed, [5], "failure", 8, 1.5, 1.0, 9, incarnations)
         records.append(rec.to_json())
     for raw in records:
-        assert cp.removed_replicas(raw) == GenerationRecord.from_json(raw).removed
+        assert model.removed_replicas(raw) == GenerationRecord.from_json(raw).removed
 
 
 def test_node_reports_in_both_formats():
@@ -160,21 +161,21 @@ def test_node_reports_in_both_formats():
     watch = NodeWatch(5.0)
     watch.update(1, NodeReport.from_json(a), now=10.0)  # the format the coordinator reads
     assert watch.node_of == {8: 1, 9: 1}
-    entries = {8: cp.rank_entry(8, 2), 9: cp.rank_entry(9, 0)}
+    entries = {8: model.rank_entry(8, 2), 9: model.rank_entry(9, 0)}
     assert a == NodeReport("2:5", entries).to_json()
     b = cp.report_template("b", [8, 9], inc) % {"seq": "2:5", "hb": 7, "progress": "3:reduce"}
     entries[8].beats, entries[8].progress = 7, "2:3:reduce"
     entries[9].beats, entries[9].progress = 7, "0:3:reduce"
     assert b == NodeReport("2:5", entries).to_json()
     assert NodeReport.from_json(b).ranks[8] == RankEntry(2, 100008, "S", 1, 7, "2:3:reduce")
-    assert cp.progress_now(100.0, 2.0, 105.0) == "2:compute"
-    assert cp.progress_now(100.0, 2.0, 105.6) == "2:reduce"
+    assert model.progress_now(100.0, 2.0, 105.0) == "2:compute"
+    assert model.progress_now(100.0, 2.0, 105.6) == "2:reduce"
 
 
 # ------------------------------------------------------------------- the coordinator, mode b
 def _mode_b(tmp_path: Path, ranks: int, cls=None):
     layout = cp.Layout(ranks, 8)
-    store = cp.CountingStore(MemStore())
+    store = model.CountingStore(MemStore())
     cp._populate(store, "b", layout, str(tmp_path), 8)
     cls = cls or Coordinator
     coord = cls(store, ranks, DetectorConfig(grace_s=0.0), log=lambda m: None)
@@ -206,7 +207,7 @@ def test_aggregated_coordinator_forms_generations_and_removes_an_exited_rank(tmp
     raw = store.get(keys.gen_record(2)).decode()
     record = GenerationRecord.from_json(raw)
     assert record.removed == [1] and record.reason == "failure"
-    assert cp.removed_replicas(raw) == [1]  # what the bench's clients read of it
+    assert model.removed_replicas(raw) == [1]  # what the bench's clients read of it
     # rank 10 comes back with incarnation 1 (registration log, then the counter)
     reg = json.loads(store.get(keys.registration(10)))
     store.set(keys.registration(10), json.dumps({**reg, "incarnation": 1}))
@@ -226,10 +227,10 @@ def test_aggregated_coordinator_forms_generations_and_removes_an_exited_rank(tmp
 
 def test_timed_coordinator_times_each_tick_of_its_own_loop(tmp_path):
     layout = cp.Layout(64, 8)
-    store = cp.CountingStore(MemStore())
+    store = model.CountingStore(MemStore())
     cp._populate(store, "b", layout, str(tmp_path), 8)
     after = []
-    coord = cp.TimedCoordinator(
+    coord = model.TimedCoordinator(
         store, 64, DetectorConfig(poll_s=0.001), log=lambda m: None, on_tick=lambda: after.append(1)
     )
     coord.restore()
@@ -259,7 +260,7 @@ class _KeyLog:
 
     def __init__(self, store):
         self.store, self.keys = store, []
-        for name in cp.CountingStore.OPS:
+        for name in model.CountingStore.OPS:
             setattr(self, name, self._wrap(getattr(store, name)))
 
     @property
@@ -278,7 +279,7 @@ def test_aggregated_reads_do_not_grow_with_ranks_and_read_no_rank_key(tmp_path):
     counts = {}
     for mode in ("a", "b"):
         for ranks in (64, 512):
-            store = cp.CountingStore(MemStore())
+            store = model.CountingStore(MemStore())
             cp._populate(store, mode, cp.Layout(ranks, 8), str(tmp_path), 8)
             logged = _KeyLog(store)
             coord = Coordinator(logged, ranks, DetectorConfig(), log=lambda m: None)

@@ -198,7 +198,11 @@ def main() -> int:
         return 0
     if "--table" in sys.argv:
         args = parse_args()
-        print(markdown_table(args.table))
+        try:
+            print(markdown_table(args.table))
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         return 0
     args = parse_args()
     from megatron_mecefo.plan import load_accuracy_costs

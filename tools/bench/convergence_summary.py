@@ -26,7 +26,8 @@ def _default_skip_layers() -> str:
 
 
 def markdown_table(paths: list[str]) -> str:
-    """One row per (run, scenario, config) of the given convergence JSONs."""
+    """One row per (run, scenario, config) of the given convergence JSONs; ValueError for a
+    file that is not one."""
     lines = [
         "| corpus | layers | skip layers | M | scenario | config | seeds | ppl gap % (mean +- sd) "
         "| 95% CI "
@@ -35,7 +36,12 @@ def markdown_table(paths: list[str]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for path in paths:
-        report = json.loads(Path(path).read_text())
+        try:
+            report = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: not readable as JSON ({exc})") from None
+        if not isinstance(report, dict) or not {"args", "rows"} <= report.keys():
+            raise ValueError(f"{path}: not a convergence run (no 'args' and 'rows')")
         a = report["args"]
         for r in summarize(report["rows"]):
             g, (lo, hi) = r["gap_ppl_pct"], r["ci95"]

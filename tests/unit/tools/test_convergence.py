@@ -67,3 +67,12 @@ def test_accuracy_cost_table_is_gap_per_degraded_share_and_loads(tmp_path):
     assert table.of(DegradedTechniques(True, False, True)) == pytest.approx(0.75 / 0.125)
     assert table.of(DegradedTechniques(False, False, True)) == 0.0  # mean < 0 stored as 0
     assert table.of(DegradedTechniques(True, False, False)) is None  # not run
+
+
+def test_table_of_a_file_that_is_not_a_run_is_one_error_line(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "costs.json"
+    bad.write_text('{"costs": {}}')
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--table", str(bad)])
+    assert convergence.main() == 2
+    err = capsys.readouterr().err
+    assert err == f"error: {bad}: not a convergence run (no 'args' and 'rows')\n"

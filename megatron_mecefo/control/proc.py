@@ -50,10 +50,7 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
     The kernel ties this to the parent *thread* that forked the child: fork from a thread that
     lives as long as the parent process (the main thread)."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
 def forks_die_with_parent() -> None:
@@ -72,15 +69,15 @@ def forks_die_with_parent() -> None:
         die_with_parent()
         if os.getppid() != parent[0]:
             os.kill(os.getpid(), signal.SIGKILL)
-        _set_name(FORK_NAME)
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(FORK_NAME.encode()))  # a name of <= 15 bytes
 
     os.register_at_fork(before=note_parent, after_in_child=bind_child)
 
 
-def _set_name(name: str) -> None:
+def _prctl(option: int, arg) -> None:
+    """`prctl(option, arg)` on Linux; elsewhere nothing."""
     if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
 
 
 def quiet_cpp_logs(environ: MutableMapping[str, str]) -> None:

@@ -24,6 +24,7 @@ from megatron_mecefo.control.etcd_store import EtcdStore, address
 from megatron_mecefo.control.records import posted_events, read_generation
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover.node.candidate import CandidateId
+from megatron_mecefo.metrics.summary import check_summary
 from tests.dist.test_failover import assert_recovered
 from tests.dist.test_spares import _kill_node
 from tests.helpers.etcd import cluster, needs_etcd  # noqa: F401 - a fixture
@@ -162,8 +163,6 @@ def test_coordinator_killed_before_writing_the_last_events(tmp_path, demo_data_d
     events = res.events()
     assert [e["seq"] for e in events] == list(range(1, len(events) + 1)), events
     assert any(e["type"] == "rejoin" for e in events), res.explain()
-    from megatron_mecefo.metrics.summary import check_summary
-
     assert check_summary(res.run_dir) == []  # summary.json's events are events.jsonl's
     assert res.summary()["failover"]["samples_lost"] == 0
     assert res.output.count(" elected (") >= 2, res.explain()

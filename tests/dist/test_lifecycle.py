@@ -63,8 +63,8 @@ def test_rerunning_a_finished_run_changes_nothing(tmp_path, demo_data_dir):
 def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 180) -> int:
     """Wait for a trainer to be mid-save (a forked writer alive and bound to die with it, and
     megatron's spawned result-queue process up under a trainer whose command line holds
-    `trainer`) and SIGSTOP that writer, so the launcher is killed while the save is still under way however fast it is;
-    returns the writer's pid."""
+    `trainer`) and SIGSTOP that writer, so the launcher is killed while the save is still under
+    way however fast it is; returns the writer's pid."""
     deadline = time.monotonic() + limit_s
     while True:
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint writer seen"

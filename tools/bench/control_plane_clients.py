@@ -1,5 +1,7 @@
 """The control-plane benchmark's synthetic clients (worker processes driving many ranks and node
-agents over one store connection each), the store and coordinator processes, and their inbox."""
+agents over one store connection each), the store and coordinator processes, and their inbox.
+
+Imported by `control.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
@@ -8,18 +10,10 @@ import math
 import os
 import queue
 import signal
-import sys
 import time
 from array import array
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-for _path in (ROOT / "tools" / "bench", ROOT):  # bench_common; the package (tests load by path)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-
-from control_plane_model import (  # noqa: E402
+from control_plane_model import (
     AGENT_INTERVAL_S,
     FLAGS,
     GEN_LOG_RE,
@@ -34,12 +28,12 @@ from control_plane_model import (  # noqa: E402
     report_template,
 )
 
-from megatron_mecefo.control import keys  # noqa: E402
-from megatron_mecefo.control.keys import node_key  # noqa: E402
-from megatron_mecefo.control.records import (  # noqa: E402
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.keys import node_key
+from megatron_mecefo.control.records import (
     NodeReport,
 )
-from megatron_mecefo.failover.liveness.detector import DetectorConfig  # noqa: E402
+from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
 
 # ------------------------------------------------------------------------- synthetic clients

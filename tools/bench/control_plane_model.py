@@ -1,31 +1,26 @@
 """The control-plane benchmark's model of a job: its layout, the request rates it offers, the
-records its synthetic ranks write, and the store and coordinator wrappers that count and time."""
+records its synthetic ranks write, and the store and coordinator wrappers that count and time.
+
+Imported by `control.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
 import re
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-for _path in (ROOT / "tools" / "bench", ROOT):  # bench_common; the package (tests load by path)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from bench_common import (  # noqa: E402 - after the path fix (no torch import)
+from bench_common import (
     percentile,
 )
 
-from megatron_mecefo.control import keys  # noqa: E402
-from megatron_mecefo.control.records import (  # noqa: E402
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.records import (
     GenerationRecord,
     NodeReport,
     RankEntry,
     Registration,
 )
-from megatron_mecefo.failover.authority.coordinator import Coordinator  # noqa: E402
+from megatron_mecefo.failover.authority.coordinator import Coordinator
 
 HB_INTERVAL_S = 0.2
 """FailoverConfig.heartbeat_interval_s (each rank's heartbeat thread)."""

@@ -1,16 +1,10 @@
-"""The control-plane benchmark's tables: the load and latency columns and their legend."""
+"""The control-plane benchmark's tables: the load and latency columns and their legend.
+
+Imported by `control.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-for _path in (ROOT / "tools" / "bench", ROOT):  # bench_common; the package (tests load by path)
-    if str(_path) not in sys.path:
-        sys.path.insert(0, str(_path))
-
-from bench_common import (  # noqa: E402 - after the path fix (no torch import)
+from bench_common import (
     cell,
 )
 

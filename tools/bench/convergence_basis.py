@@ -1,18 +1,12 @@
 """The convergence benchmark's basis study: the relative FFN weight-gradient error of each
-low-rank basis after training, and the reduced-gradient error of each degraded set."""
+low-rank basis after training, and the reduced-gradient error of each degraded set.
+
+Imported by `convergence.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tools" / "bench"))
-
-from convergence_engine import build, train, union_plan  # noqa: E402
-from convergence_summary import _stats  # noqa: E402
+from convergence_engine import build, train, union_plan
+from convergence_summary import _stats
 
 
 def basis_error(args, ctx) -> list[dict]:

@@ -1,16 +1,11 @@
 """The convergence benchmark's corpora: Debian's fortunes or the King James Bible, one document
-per line, tokenized and indexed (`tools/preprocess_data.py`)."""
+per line, tokenized and indexed (`tools/preprocess_data.py`).
+
+Imported by `convergence.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tools" / "bench"))
-
 
 FORTUNES_DIR = Path("/usr/share/games/fortunes")
 

@@ -1,20 +1,16 @@
 """The convergence benchmark's runs: the engine of one config, the failure scenarios it trains
-through, the plans it follows, and the calibration of their step time."""
+through, the plans it follows, and the calibration of their step time.
+
+Imported by `convergence.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tools" / "bench"))
-
-from bench_common import (  # noqa: E402 - after the path fix
+from bench_common import (
     fastest_of_rounds,
     save_json,
 )

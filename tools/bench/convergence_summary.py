@@ -1,17 +1,13 @@
 """The convergence benchmark's summaries: per-config statistics with t intervals, the markdown
-table of a set of runs, the accuracy-cost and proxy-cost files the planner reads, the table."""
+table of a set of runs, the accuracy-cost and proxy-cost files the planner reads, the table.
+
+Imported by `convergence.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-sys.path.insert(0, str(ROOT / "tools" / "bench"))
 
 
 def _ratio(x: float) -> str:

@@ -1,15 +1,15 @@
-"""What the benchmark report's sections read: the tools' JSONs, the manifest, where plots go."""
+"""What the benchmark report's sections read: the tools' JSONs, the manifest, where plots go.
+
+Imported by `report.py`, which puts `tools/bench` on `sys.path`."""
 
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when loaded by path
-from report_plots import save_png  # noqa: E402
-from report_tools import (  # noqa: E402
+from report_plots import save_png
+from report_tools import (
     REPORT_KEY,
     TOOLS,
     Tool,

@@ -1,14 +1,14 @@
-"""The benchmark report's plots (800 x 450 PNGs) and the rows they are drawn from."""
+"""The benchmark report's plots (800 x 450 PNGs) and the rows they are drawn from.
+
+Imported by `report.py`, which puts `tools/bench` on `sys.path`."""
 
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when loaded by path
-from report_markdown import _scale  # noqa: E402
-from report_tools import PAPER_MECEFO_DROP_PCT, PAPER_SPARE, PNG_DPI, PNG_SIZE_IN  # noqa: E402
+from report_markdown import _scale
+from report_tools import PAPER_MECEFO_DROP_PCT, PAPER_SPARE, PNG_DPI, PNG_SIZE_IN
 
 
 # ------------------------------------------------------------------------------------ data prep

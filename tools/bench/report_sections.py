@@ -1,16 +1,16 @@
 """The benchmark report's study sections: convergence with error bars, degraded-mode step time,
-node loss, the control plane at scale, takeover granularity and the covering pipeline."""
+node loss, the control plane at scale, takeover granularity and the covering pipeline.
+
+Imported by `report.py`, which puts `tools/bench` on `sys.path`."""
 
 from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # siblings, when loaded by path
-from report_context import ReportContext  # noqa: E402
-from report_markdown import _f, _scale, _table  # noqa: E402
-from report_tools import HYBRID_TARGET, ROOT, _rel  # noqa: E402
+from report_context import ReportContext
+from report_markdown import _f, _scale, _table
+from report_tools import HYBRID_TARGET, ROOT, _rel
 
 
 def hybrid_verdicts(rows: list[dict]) -> list[str]:

@@ -133,6 +133,9 @@ def find_resume(
 
 SHARD_WAIT_S = 60.0
 """How long the committing rank waits for the other members' optimizer shard files."""
+ROLLBACK_WAIT_POLLS = 600
+"""Before a rollback, pending async saves get this many completion polls, 0.1 s apart (about
+60 s): a count, not a clock, so every rank of the saving group polls (a collective) as often."""
 
 
 class CheckpointManager(TrainHook):
@@ -234,6 +237,22 @@ class CheckpointManager(TrainHook):
                 else None
             ),
         }
+
+    def on_rollback(self, engine) -> None:
+        """Let the saves in flight finish and commit before the process exits for a rollback:
+        the rollback loads the newest committed checkpoint, and it may be one of them."""
+        if self._saves is None or not self._saves.pending:
+            return
+        self.log(f"rollback: finishing {self._saves.pending} checkpoint save(s) in flight first")
+        for _ in range(ROLLBACK_WAIT_POLLS):
+            self._poll(blocking=False)  # collective over the saving group: same count on each
+            if not self._saves.pending:
+                return
+            time.sleep(0.1)
+        self.log(
+            f"warning: {self._saves.pending} checkpoint save(s) did not finish within "
+            f"{ROLLBACK_WAIT_POLLS / 10:.0f} s; the rollback uses older state"
+        )
 
     # ------------------------------------------------------------------ save
     def save(self, engine, next_step: int) -> None:

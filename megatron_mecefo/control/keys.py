@@ -30,6 +30,10 @@ final checkpoint and exit PREEMPTED."""
 RECOVERY = "recovery"
 """JSON {"mode": failover|restart, "recoverable": bool, "wait_all_s": float}, set by trainers:
 whether losing every replica can be survived (snapshots or checkpoints exist) and how."""
+RECOVERING = "job/recovering"
+"""Set to "1" by the coordinator while every replica is lost and it waits for the restarted ranks
+(the job cannot advance), "0" once the recovery generation is published: an agent then restarts a
+rank held back until a later job step at once (that step would never come)."""
 RUN_DIR = "run_dir"
 """Absolute run directory, published by the first leader; the coordinator writes events there."""
 JOB_STEP = "job/step"

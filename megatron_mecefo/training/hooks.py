@@ -33,6 +33,11 @@ class TrainHook:
     def on_train_end(self, engine: Any, summary: dict[str, Any]) -> None:
         """Called once after the last step."""
 
+    def on_rollback(self, engine: Any) -> None:
+        """Called on every rank of the job, at the same point, when the job rolls back to its
+        newest saved state (every copy of some state was lost): the process exits after it, so
+        a hook with saves in flight finishes them here (bounded)."""
+
 
 class StepControl(TrainHook):
     """Plans each step and acknowledges its result. This base is the failure-free control: every

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from megatron_mecefo.errors import ShardsLostError
 from megatron_mecefo.metrics.logger import MetricsLogger
 from megatron_mecefo.metrics.mfu import mfu, peak_flops
 from megatron_mecefo.training.engine import Engine
@@ -33,6 +34,15 @@ def train(
     summary (losses, val losses, throughput)."""
     control = control or StepControl()
     hooks = [control, *hooks]
+    try:
+        return _train(engine, logger, hooks, control, start_step)
+    except ShardsLostError:  # the job rolls back: saves in flight must land first
+        for hook in hooks:
+            hook.on_rollback(engine)
+        raise
+
+
+def _train(engine, logger, hooks, control, start_step: int) -> dict[str, Any]:
     tc = engine.cfg.training
     peak = peak_flops(_device_name(engine))
     flops_per_token = engine.cfg.model.flops_per_token()

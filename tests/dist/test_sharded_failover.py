@@ -132,25 +132,50 @@ def test_both_copies_lost_without_saved_state_stops_with_one_line(tmp_path, demo
     assert [m["step"] for m in res.metrics()] == list(range(5))  # nothing after, nothing guessed
 
 
-def test_both_copies_lost_rolls_back_to_the_checkpoint(tmp_path, demo_data_dir, reference):
-    steps = 20
-    ck = ("checkpoint.interval=5", "checkpoint.async_save=false")
-    res = launch(
-        tmp_path,
-        demo_data_dir,
-        steps=steps,
-        inject=("kill:1:7", "kill:2:7"),
-        overrides=(*SHARDED, *ck),
-    )
+ROLLBACK_STEPS = 20
+ROLLBACK_KILLS = ("kill:1:7:3", "kill:2:7:3")
+"""Both holders of shard 1 killed at step 7 and held back until job step 10, a step the job
+cannot reach before it has rolled back: the agents must restart them when the job recovers."""
+
+
+def _assert_rolled_back(res, reference, source: str) -> None:
     assert res.returncode == 0, res.explain()
     rollback = [e for e in res.events() if e["type"] == "rollback"]
     assert len(rollback) == 1 and rollback[0]["step"] == 7, rollback
     assert "rolling back to the newest saved state" in res.output
-    assert "recovered the state of step 5 from disk checkpoint" in res.output, res.explain()
-    assert [m["step"] for m in res.metrics()] == list(range(steps))  # 5 and 6 kept once
-    # exact state from the checkpoint on: the failure-free curve (up to the reduction order of
+    assert source in res.output, res.explain()
+    assert "restarts now, not at job step 10" in res.output, res.explain()
+    # two replicas failed; the survivors' exits for the rollback are not failures
+    assert res.summary()["failover"]["failures"] == 2, res.summary()["failover"]
+    assert [m["step"] for m in res.metrics()] == list(range(ROLLBACK_STEPS))  # each kept once
+    # exact state from the saved step on: the failure-free curve (up to the reduction order of
     # however many replicas have rejoined)
-    assert_same_curve(res, reference, steps)
+    assert_same_curve(res, reference, ROLLBACK_STEPS)
+
+
+def test_both_copies_lost_rolls_back_to_the_checkpoint(tmp_path, demo_data_dir, reference):
+    """Default (async) saves: the checkpoint of step 5 is still being written when the rollback
+    is declared; it must be finished and committed before the committing rank exits."""
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=ROLLBACK_STEPS,
+        inject=ROLLBACK_KILLS,
+        overrides=(*SHARDED, "checkpoint.interval=5"),
+    )
+    _assert_rolled_back(res, reference, "recovered the state of step 5 from disk checkpoint")
+
+
+def test_both_copies_lost_rolls_back_to_snapshots(tmp_path, demo_data_dir, reference):
+    """No checkpoint: every rank, the killed ones included, reloads its node's snapshot."""
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=ROLLBACK_STEPS,
+        inject=ROLLBACK_KILLS,
+        overrides=(*SHARDED, "snapshot.interval=1"),
+    )
+    _assert_rolled_back(res, reference, "from this node's shared-memory snapshot")
 
 
 def _after_steps(run_dir: Path, n: int) -> None:

@@ -78,6 +78,7 @@ class Coordinator:
         self._last_tick: float | None = None  # when the previous tick ended
         self._stale_inc: dict[int, int] = {}  # rank -> a dead incarnation still listed a member
         self.epoch = 0
+        self._removal_gen = False  # the current generation removed replicas
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -238,9 +239,39 @@ class Coordinator:
             self._abort(f"ranks {missing} did not register within {self.cfg.start_timeout_s} s")
 
     # ------------------------------------------------------------------ decisions
+    def _begin_recovery(self, now: float, why: str) -> None:
+        """No member is left with state: wait for the restarted ranks, which load the newest
+        saved state together (`_decide` forms the recovery generation)."""
+        self.members = ()
+        self.recovering_since = now
+        self.store.set(keys.RECOVERING, "1")
+        self._recover_failure_epoch = min((t for t, _ in self.pending.values()), default=None)
+        self.pending.clear()
+        self.first_detection = None
+        self.log(
+            f"[coordinator] {why}: waiting for the restarted ranks, which load the newest state "
+            "(snapshot, parity rebuild or disk)"
+        )
+
+    def _rolled_back(self, now: float) -> bool:
+        """A member of this generation found optimizer shards without an exact copy
+        (`keys.rollback`): every member exits by itself to reload saved state, so the job
+        recovers at once. Members are not evicted (one may still be committing a checkpoint the
+        rollback needs) and none of their incarnations joins again. Checked only in a
+        generation that removed replicas: no other loses shards."""
+        if not self._removal_gen or not self.store.check([keys.rollback(self.gen)]):
+            return False
+        for rank in self._member_ranks():
+            self.ranks[rank].evicted_incarnation = self.ranks[rank].incarnation
+        self._removal_gen = False  # decided once
+        self._begin_recovery(now, f"replicas {list(self.members)} roll back")
+        return True
+
     def _decide(self, now: float) -> None:
         removed: tuple[int, ...] = ()
         recovery = self._recovery_settings()
+        if self._rolled_back(now):
+            return
         if self.pending and now - self.first_detection >= self.cfg.grace_s:
             dead_replicas = sorted({r // self.replica_size for r in self.pending})
             removed = tuple(r for r in dead_replicas if r in self.members)
@@ -266,18 +297,13 @@ class Coordinator:
                     "so no state survives (set snapshot.interval or checkpoint.interval)"
                 )
                 return
-            self.members = ()
-            self.recovering_since = now
-            self._recover_failure_epoch = min((t for t, _ in self.pending.values()), default=None)
-            self.pending.clear()
-            self.first_detection = None
-            self.log(
-                "[coordinator] every replica is lost: waiting for the restarted ranks, which "
-                "load the newest state (snapshot, parity rebuild or disk)"
-            )
+            self._begin_recovery(now, "every replica is lost")
             return
         if self.recovering_since is not None:
             self.recovering_since = None
+            self.store.set(keys.RECOVERING, "0")
+            self.pending.clear()  # deaths of incarnations that left for the recovery
+            self.first_detection = None
             self._publish(
                 members,
                 removed=(),
@@ -307,39 +333,58 @@ class Coordinator:
         return self._recovery or {"mode": "failover", "recoverable": False, "wait_all_s": 60.0}
 
     def _report_failures(self, removed: tuple[int, ...], now: float) -> None:
+        """Evict every rank of each removed replica and post one `failure` and one `detection`
+        event per replica that failed (a replica leaves whole, so it fails once however many of
+        its ranks died), failures first and in time order."""
         detected = time.time()
         failed_replicas = {r // self.replica_size for r in self.pending}
+        lost: list[tuple[float, int, str, list[int]]] = []  # (failed at, replica, why, ranks)
         for rep in removed:
-            for rank in self.replica_ranks(rep):
-                st = self.ranks[rank]
-                if rep not in failed_replicas:  # checkpoint-restart mode: restarted with the job
-                    st.evicted_incarnation = st.incarnation
-                    keys.set_eviction(self.store, rank, st.incarnation)
+            ranks = self.replica_ranks(rep)
+            if rep not in failed_replicas:  # checkpoint-restart mode: restarted with the job
+                for rank in ranks:
+                    self.ranks[rank].evicted_incarnation = self.ranks[rank].incarnation
+                    keys.set_eviction(self.store, rank, self.ranks[rank].incarnation)
                     self.log(f"[coordinator] rank {rank} (replica {rep}) restarts with the job")
-                    continue
-                failed_at, reason = self.pending.get(rank, (detected, "TP peer of a lost rank"))
-                inc = self._stale_inc.pop(rank, st.incarnation)
-                st.evicted_incarnation = inc
+                continue
+            causes, reported = [], False
+            for rank in ranks:
+                inc = self._stale_inc.pop(rank, self.ranks[rank].incarnation)
+                self.ranks[rank].evicted_incarnation = inc
                 if keys.get_int(self.store, keys.evict(rank), -1) == inc:
-                    continue  # a previous coordinator reported it already, then died
+                    reported = True  # a previous coordinator reported it already, then died
+                    continue
+                keys.set_eviction(self.store, rank, inc)
+                if rank not in self.pending:  # healthy, but its pipeline is broken
+                    self.log(f"[coordinator] rank {rank} (replica {rep}) leaves with its replica")
+                    continue
+                failed_at, reason = self.pending[rank]
                 injected = keys.injected(rank, inc)
                 if self.store.check([injected]):  # the true failure time of an injection
                     kind, _, epoch = self.store.get(injected).decode().partition(":")
                     failed_at, reason = min(failed_at, float(epoch)), f"injected {kind}: {reason}"
                     self.pending[rank] = (failed_at, reason)
-                self.pending.setdefault(rank, (failed_at, reason))
-                keys.set_eviction(self.store, rank, inc)
-                common = dict(step=max(self.job_step, 0), dp_rank=rep, ranks=[rank])
-                post_event(self.store, "failure", epoch_s=failed_at, detail=reason, **common)
-                post_event(
-                    self.store,
-                    "detection",
-                    epoch_s=detected,
-                    latency_ms=1000 * max(0.0, detected - failed_at),
-                    detail=reason,
-                    **common,
-                )
+                causes.append((failed_at, rank, reason))
                 self.log(f"[coordinator] rank {rank} (replica {rep}) lost: {reason}")
+            if reported or not causes:
+                continue
+            causes.sort()
+            why = "; ".join(f"rank {r}: {reason}" for _, r, reason in causes)
+            if len(ranks) > len(causes):
+                why += f" (replica {rep} leaves whole: ranks {ranks})"
+            lost.append((causes[0][0], rep, why, ranks))
+        lost.sort()
+        for failed_at, rep, why, ranks in lost:
+            post_event(
+                self.store, "failure", epoch_s=failed_at, detail=why,
+                step=max(self.job_step, 0), dp_rank=rep, ranks=ranks,
+            )  # fmt: skip
+        for failed_at, rep, why, ranks in lost:
+            post_event(
+                self.store, "detection", epoch_s=detected, detail=why,
+                latency_ms=1000 * max(0.0, detected - failed_at),
+                step=max(self.job_step, 0), dp_rank=rep, ranks=ranks,
+            )  # fmt: skip
 
     def _ready_to_join(self, replica: int, now: float) -> bool:
         if self._member_set[0] is not self.members:  # a set per members tuple: O(1) lookups
@@ -361,6 +406,7 @@ class Coordinator:
     ) -> None:
         self.gen += 1
         self.members = tuple(members)
+        self._removal_gen = bool(removed)
         record = GenerationRecord(
             members=list(members),
             removed=list(removed),
@@ -407,6 +453,9 @@ class Coordinator:
             return
         record = read_generation(self.store, self.gen)
         self.members, self.replica_size = tuple(record.members), int(record.replica_size)
+        self._removal_gen = bool(record.removed)
+        if keys.get_int(self.store, keys.RECOVERING) == 1:  # the predecessor waited for restarts
+            self.members, self.recovering_since = (), now
         listed = record.incarnations
         for rank in self._member_ranks():
             inc = int(listed.get(str(rank), self.ranks[rank].incarnation))

@@ -104,7 +104,9 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         evict_seq_seen=b"0",
         _hand_over=lambda: None,
         gave_up={},
+        replica_size=1,
     )
+    fake._restart_due = lambda rank, step: Agent._restart_due(fake, rank, step)
     monkeypatch.setattr("megatron_mecefo.control.keys.get_int", lambda store, key, d=0: 10)
     assert Agent._tick(fake) is None
     assert spawned == [] and fake.finished == {1}, said
@@ -115,7 +117,9 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
     assert spawned == [1] and fake.incarnation[1] == 1
 
 
-def _preflight(*trainer: str) -> argparse.Namespace:
+def _preflight(run_dir: Path, *trainer: str) -> argparse.Namespace:
+    """The preflight's arguments for the demo config; `run_dir` under the test's tmp_path (the
+    config's own `runs/demo_cpu` is relative to the working directory: never the checkout's)."""
     return preflight.parse_args(
         [
             "--nproc-per-node",
@@ -127,24 +131,26 @@ def _preflight(*trainer: str) -> argparse.Namespace:
             "--",
             "--config",
             str(CONFIG),
+            "--run-dir",
+            str(run_dir),
             *trainer,
         ]
     )
 
 
-def test_preflight_refuses_nccl_without_gpus_and_passes_gloo(monkeypatch):
+def test_preflight_refuses_nccl_without_gpus_and_passes_gloo(monkeypatch, tmp_path):
     import torch
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # check_config sets it; monkeypatch restores it
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    cfg, problem = preflight.check_config(_preflight("parallel.backend=nccl"))
+    cfg, problem = preflight.check_config(_preflight(tmp_path / "run", "parallel.backend=nccl"))
     assert problem is None
     code, why = preflight.check_devices(cfg, 2)
     assert code == ExitCode.CONFIG_ERROR and "no GPU visible" in why and "backend=gloo" in why
-    cfg, _ = preflight.check_config(_preflight())
+    cfg, _ = preflight.check_config(_preflight(tmp_path / "run"))
     assert preflight.check_devices(cfg, 2) is None  # demo_cpu: gloo
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    cfg, _ = preflight.check_config(_preflight("parallel.backend=auto"))
+    cfg, _ = preflight.check_config(_preflight(tmp_path / "run", "parallel.backend=auto"))
     code, why = preflight.check_devices(cfg, 2)
     assert code == ExitCode.CONFIG_ERROR and "1 GPU(s) visible" in why
 
@@ -155,8 +161,35 @@ def test_preflight_reports_an_unhealthy_gpu_and_config_errors(tmp_path, monkeypa
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv(health.HEALTH_CMD_ENV, str(_script(tmp_path, "bad", "exit 3\n")))
-    cfg, _ = preflight.check_config(_preflight("parallel.backend=nccl"))
+    cfg, _ = preflight.check_config(_preflight(tmp_path / "run", "parallel.backend=nccl"))
     code, why = preflight.check_devices(cfg, 2)
     assert code == ExitCode.DISTRIBUTED_ERROR and "local rank 0" in why
-    _, (code, why) = preflight.check_config(_preflight("training.lrr=1"))
+    _, (code, why) = preflight.check_config(_preflight(tmp_path / "run", "training.lrr=1"))
     assert code == ExitCode.CONFIG_ERROR and "training.lrr" in why
+
+
+def test_preflight_needs_the_data_a_dry_run_may_skip_and_refuses_a_layout(tmp_path, monkeypatch):
+    """Before preprocessing, `--dry-run` checks the layout and skips the data files; the preflight
+    of a job does not: a missing file is exit 3. TP 3 on 4 ranks is exit 4 (launch/README.md)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    c4 = ["data.path=c4/c4_en", "data.tokenizer_model=c4/c4_en.model"]
+    _, problem = preflight.check_config(_preflight(tmp_path / "run", *c4))
+    assert problem is not None and problem[0] == ExitCode.DATA_ERROR, problem
+    assert "c4/c4_en.bin" in problem[1]
+    args = _preflight(tmp_path / "run", "parallel.tensor_model_parallel_size=3")
+    args.world_size = 4
+    _, problem = preflight.check_config(args)
+    assert problem is not None and problem[0] == ExitCode.DISTRIBUTED_ERROR, problem
+
+
+def test_preflight_ignores_a_run_in_the_working_directory(tmp_path, monkeypatch):
+    """A finished demo run under the working directory's runs/demo_cpu (the config's default
+    run_dir) does not change what the preflight says about another run directory."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.chdir(tmp_path)
+    demo = tmp_path / "runs" / "demo_cpu"
+    demo.mkdir(parents=True)
+    (demo / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')  # occupied, nothing saved
+    cfg, problem = preflight.check_config(_preflight(tmp_path / "run"))
+    assert problem is None and preflight.check_devices(cfg, 2) is None

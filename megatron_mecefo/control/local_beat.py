@@ -12,14 +12,19 @@ per agent tick, and one record read per node per generation, whatever the ranks 
 Every file is replaced whole (`os.replace`), so a reader never sees half a write. The control
 file's `seq` moves every agent tick: a trainer that sees it frozen knows its agent stalled, and
 beats to the store itself until it moves again (the per-rank path, kept for exactly this).
+The folder is the agent's: removed from outside, it is recreated at the agent's next tick
+(`ChannelFolder.ensure`), and a trainer that cannot write its beat meanwhile beats to the store.
+No agent removes a folder whose owner lock (`OWNER`) another process holds.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,14 +126,64 @@ def _write_bytes(path: Path, raw: bytes) -> None:
         raise
 
 
-def make_folder(parent: str | None = None) -> Path:
+OWNER = ".owner"
+"""The file in a channel folder that its agent holds an exclusive `flock` on while it lives. The
+lock, not the pid in the folder's name, proves a live owner: a pid can be reused, and an agent in
+another pid namespace (a container sharing /dev/shm) has a pid this one cannot see."""
+ORPHAN_MIN_AGE_S = 60.0
+"""A folder without an owner file (an older version's, or one being created right now) is an
+orphan only when its pid is gone and it is at least this old."""
+
+
+class ChannelFolder:
+    """The agent's side of its channel folder: created private, locked for the agent's lifetime
+    (`OWNER`), and recreated by `ensure` when something outside removed it."""
+
+    def __init__(self, parent: str | None = None):
+        if parent is None and Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
+            parent = "/dev/shm"
+        remove_orphans(Path(parent or tempfile.gettempdir()))
+        self.path = Path(tempfile.mkdtemp(prefix=f"mecefo-beat-{os.getpid()}-", dir=parent))
+        self._lock_fd: int | None = None
+        self._lock()
+
+    def _lock(self) -> None:
+        """Create the owner file already locked (locked under a temporary name, then renamed), so
+        no other agent's `remove_orphans` ever finds it unlocked while this agent lives."""
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f"{OWNER}.")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.replace(tmp, self.path / OWNER)
+        except BaseException:
+            os.close(fd)
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+        self._lock_fd = fd
+
+    def ensure(self) -> bool:
+        """True when the folder (or its owner file) had been removed and is now recreated: the
+        caller rewrites what its readers need. Raises `OSError` when it cannot be recreated."""
+        if (self.path / OWNER).exists():
+            return False
+        self.path.mkdir(mode=0o700, exist_ok=True)
+        self._lock()
+        return True
+
+    def remove(self) -> None:
+        """The agent is done: remove the folder and release the lock."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def make_folder(parent: str | None = None) -> ChannelFolder:
     """A fresh private folder for one agent's channel: in /dev/shm when there is one (no disk).
     Its name carries the agent's pid; folders left by agents that are gone (SIGKILL leaves its
     folder behind) are removed first, so /dev/shm does not fill up across restarts."""
-    if parent is None and Path("/dev/shm").is_dir() and os.access("/dev/shm", os.W_OK):
-        parent = "/dev/shm"
-    remove_orphans(Path(parent or tempfile.gettempdir()))
-    return Path(tempfile.mkdtemp(prefix=f"mecefo-beat-{os.getpid()}-", dir=parent))
+    return ChannelFolder(parent)
 
 
 _JANITOR = """
@@ -155,14 +210,44 @@ def start_janitor(folder: Path):
 
 
 def remove_orphans(parent: Path) -> list[Path]:
-    """Remove the channel folders in `parent` whose agent process no longer exists."""
+    """Remove the channel folders in `parent` whose agent is gone: nobody holds the lock on
+    their owner file (`OWNER`). A folder of a live agent is never removed, whatever its pid."""
     removed = []
     for folder in parent.glob("mecefo-beat-*-*"):
-        pid = folder.name.split("-")[2]
-        if pid.isdigit() and not _pid_alive(int(pid)):
+        lock_fd = _orphan_lock(folder)
+        if lock_fd is None:
+            continue
+        try:
             shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
+        finally:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+        removed.append(folder)
     return removed
+
+
+def _orphan_lock(folder: Path) -> int | None:
+    """None if `folder` may have a live owner; else the fd holding its owner lock (-1: a folder
+    without an owner file, whose pid is gone and which is older than `ORPHAN_MIN_AGE_S`)."""
+    try:
+        fd = os.open(folder / OWNER, os.O_RDWR)
+    except FileNotFoundError:
+        pid = folder.name.split("-")[2]
+        try:
+            age_s = time.time() - folder.stat().st_mtime
+        except OSError:
+            return None
+        if pid.isdigit() and not _pid_alive(int(pid)) and age_s >= ORPHAN_MIN_AGE_S:
+            return -1
+        return None
+    except OSError:  # not ours to judge (another user's, a file system that refuses)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its agent lives
+        os.close(fd)
+        return None
+    return fd
 
 
 def _pid_alive(pid: int) -> bool:

@@ -22,6 +22,7 @@ from typing import Any
 
 COUNTED = (
     ("failures", "failure"),
+    ("regroups", "regroup"),
     ("rejoins", "rejoin"),
     ("steps_redone", "step_redone"),
     ("nodes_lost", "node_lost"),
@@ -36,7 +37,10 @@ LATENCIES = (
 )
 """Summary lists (failover.<key>) of the `latency_ms` of each event of a type, in event order.
 `full_strength_ms`: from a node's failure until every rank of it is back on a standby
-(`failover/authority/spare_pool.py`); its max and median are `full_strength_ms_max` / `_median`."""
+(`failover/authority/spare_pool.py`); its max and median are `full_strength_ms_max` / `_median`.
+From the `rejoin` events too: `rejoin_bytes` (the state every rejoining rank received, summed) and
+`rejoin_s` (the longest single transfer; None without one). The process that writes the summary
+saw only its own regroups and transfers, so none of these is its own view."""
 
 
 def read_rows(path: Path) -> list[dict]:
@@ -94,6 +98,10 @@ def event_counts(events: list[dict]) -> dict[str, Any]:
     full = out["full_strength_ms"]
     out["full_strength_ms_max"] = max(full) if full else None
     out["full_strength_ms_median"] = round(statistics.median(full), 1) if full else None
+    rejoins = [e for e in events if e.get("type") == "rejoin"]
+    out["rejoin_bytes"] = sum(int(e.get("bytes") or 0) for e in rejoins)
+    transfers = [e["transfer_ms"] for e in rejoins if e.get("transfer_ms") is not None]
+    out["rejoin_s"] = round(max(transfers) / 1000, 3) if transfers else None
     return out
 
 
@@ -197,7 +205,7 @@ def check_summary(run_dir: Path) -> list[str]:
                 f"failover.{key} has {len(fo.get(key) or [])} latencies but "
                 f"events.jsonl has {len(expected[key])} {kind} events"
             )
-    for key in ("full_strength_ms_max", "full_strength_ms_median"):
+    for key in ("full_strength_ms_max", "full_strength_ms_median", "rejoin_bytes", "rejoin_s"):
         if fo.get(key) != expected[key]:
             out.append(f"failover.{key} = {fo.get(key)} but events.jsonl says {expected[key]}")
     degraded = sum(1 for r in rows if r.get("job_degraded"))

@@ -1,6 +1,7 @@
 """Liveness and the control plane with real processes and real signals: a coordinator SIGKILLed
 mid-run is restarted and the job completes; a rank stopped before step 0 cannot hang the job; a rank
-whose interpreter is starved is slow, not dead; losing the store itself ends every rank cleanly."""
+whose interpreter is starved is slow, not dead; losing the store itself ends every rank cleanly;
+the agent's node-local folder removed from outside is recreated and the job goes on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 
 import pytest
 
-from tests.dist.test_failover import assert_recovered
+from tests.dist.test_failover import SPREAD_STEPS, assert_recovered
 from tests.helpers.launch import launch
 
 pytestmark = pytest.mark.timeout(400)
@@ -250,3 +251,41 @@ def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_pa
     assert min(seen["hb_paused"]) >= 3, seen
     assert "failure" not in res.event_types(), res.events()
     assert [m["step"] for m in res.metrics()] == list(range(steps))
+
+
+def test_a_removed_beat_folder_is_recreated_and_the_job_completes(tmp_path, demo_data_dir):
+    """Issue 32, item 4: the agent's node-local channel folder (`/dev/shm/mecefo-beat-*`) is
+    removed from outside twice mid-run, around a rank's death and restart. The agent recreates it
+    (one line each time) and its ranks beat to the store meanwhile: no traceback, no rank or
+    node stopped for it, and the job completes with every failover invariant."""
+    import shutil
+    from pathlib import Path
+
+    from megatron_mecefo.control import local_beat
+
+    steps, seen = SPREAD_STEPS, {}  # long enough for the killed rank to be back before the end
+
+    def remove_folder(proc, run_dir):
+        folder = Path(_trainer(proc, 0).environ()[local_beat.BEAT_DIR_ENV])
+        seen["folder"] = folder
+        for step in (3, 6):
+            _wait_for_steps(proc, run_dir, step)
+            shutil.rmtree(folder, ignore_errors=True)  # a beat written meanwhile may stay
+            deadline = time.monotonic() + 30
+            while not (folder / local_beat.CONTROL).exists():  # recreated, control rewritten
+                assert proc.poll() is None and time.monotonic() < deadline, "not recreated"
+                time.sleep(0.05)
+
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        nproc=2,
+        steps=steps,
+        inject=("kill:1:5:2",),
+        while_running=remove_folder,
+    )
+    assert res.returncode == 0, res.explain()
+    assert "Traceback" not in res.output and "coordinator unreachable" not in res.output
+    assert res.output.count(f"{seen['folder']} was removed; recreated it") >= 2, res.explain()
+    assert_recovered(res, steps=steps, replicas=2, world=2)
+    assert not seen["folder"].exists()  # the agent removes its own folder at the end

@@ -279,3 +279,69 @@ def job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:
         if mark in env and state != "Z":
             found[int(entry)] = (int(ppid), state, cmd)
     return found
+
+
+def launch_script(
+    tmp_path: Path,
+    demo_data_dir: str,
+    *,
+    env: dict[str, str],
+    steps: int = 16,
+    overrides: tuple[str, ...] = (),
+    timeout_s: float = 300,
+    name: str = "run",
+    while_running: Callable[[subprocess.Popen, Path], None] | None = None,
+) -> LaunchResult:
+    """`launch/local/run.sh` as a user runs it (`env`: NNODES, NSPARE, NPROC, MECEFO_STORE, ...),
+    its exit code the job's; every agent's output is in `output`. `script_agent` finds a node's
+    agent among the script's children."""
+    run_dir = tmp_path / name
+    cmd = [
+        "bash",
+        "launch/local/run.sh",
+        *trainer_args(run_dir, demo_data_dir, steps, (), overrides),
+    ]
+    full_env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PYTHONWARNINGS": "ignore",
+        "OMP_NUM_THREADS": "1",
+        **env,
+    }
+    log_path = tmp_path / f"{name}.log"
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        rc = None
+        try:
+            if while_running is not None:
+                while_running(proc, run_dir)
+            rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            rc = -9
+        finally:
+            if proc.poll() is None or rc == -9:
+                _kill_group(proc)  # the agents die with the script
+    output = log_path.read_text()
+    if rc == -9:
+        output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
+    return LaunchResult(rc, output, run_dir, time.monotonic() - start)
+
+
+def script_agent(proc: subprocess.Popen, node: int):
+    """psutil.Process of node `node`'s agent (`mecefo-launch --node-rank node`) under run.sh."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children():
+        cmd = child.cmdline()
+        if "megatron_mecefo.failover.node.agent_cli" in cmd and "--node-rank" in cmd:
+            if cmd[cmd.index("--node-rank") + 1] == str(node):
+                return child
+    raise AssertionError(f"no agent of node {node} under run.sh (pid {proc.pid})")

@@ -68,7 +68,10 @@ class Heartbeat(threading.Thread):
         self._store = keys.connect(address, coordinator_timeout_s)
         self._store.add(keys.heartbeat(rank), 1)
         if self.beat_dir is not None:
-            self._beat_local()
+            try:
+                self._beat_local()
+            except OSError:  # the folder is gone for now (its agent recreates it): the thread
+                pass  # beats to the store until it is back (`_beat_through_agent`)
 
     def run(self) -> None:
         last_ok = time.monotonic()
@@ -102,7 +105,7 @@ class Heartbeat(threading.Thread):
         agent, so a live rank never looks dead because its agent does."""
         try:
             self._beat_local()
-        except OSError:  # the folder is gone: the agent stopped
+        except OSError:  # the folder is gone: the agent stopped, or recreates it next tick
             return False
         control = local_beat.read_control(self.beat_dir)
         now = time.monotonic()

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,14 +63,18 @@ class Agent:
         self.term_deadline: float | None = None  # SIGTERM with a grace time: hard stop after
         self.report_seq = 0
         self.beat_dir: Path | None = None  # the node-local heartbeat channel (aggregated beats)
+        self.beat_channel: local_beat.ChannelFolder | None = None
+        self.channel_error: str | None = None  # why the channel folder is unusable, once logged
         if os.environ.get(local_beat.AGGREGATE_ENV, "1") != "0":
-            self.beat_dir = local_beat.make_folder()
+            self.beat_channel = local_beat.make_folder()
+            self.beat_dir = self.beat_channel.path
             local_beat.start_janitor(self.beat_dir)
         self.evict_seq_seen = b""  # keys.EVICT_SEQ at the last eviction check
         self.record_gen = 0  # the newest generation record written to the beat folder
         self.flag_values: dict[str, str] = {}  # ABORT / STOP reasons once read
         self.standby_logged = False
         self.gave_up: dict[int, int] = {}  # rank -> its last exit code, when no longer restarted
+        self.replica_size: int | None = None  # TP x PP, from this node's first registration
         check_fresh_launch(self.store, getattr(args, "job_id", ""))
         keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
@@ -147,11 +150,25 @@ class Agent:
                 cmd, env=env, start_new_session=True, preexec_fn=ignore_stop_signal
             )
 
+    def _warm_spares_wanted(self) -> int:
+        """`--warm-spares`, or by default (auto) as many as one replica has ranks on this node:
+        a replica (TP x PP ranks) leaves and comes back whole, so all its ranks here restart
+        together, and each one started cold would hold the whole replica back. Until this node's
+        ranks register (that tells TP x PP) the default is 1."""
+        if self.args.warm_spares is not None:
+            return self.args.warm_spares
+        if self.replica_size is None and self.ranks:
+            reg = read_registration(self.store, self.ranks[0])
+            self.replica_size = reg.replica_size if reg is not None else None
+        if self.replica_size is None:
+            return 1
+        return spares_for_replicas(self.ranks, self.replica_size)
+
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
-        want = self.args.warm_spares
+        want = self._warm_spares_wanted()
         if self.node is None:  # a standby starts a whole node at once
             want = max(want, self.args.nproc_per_node)
         while len(self.spares) < want:
@@ -176,8 +193,8 @@ class Agent:
             return self._watch()
         finally:
             self._stop_children()
-            if self.beat_dir is not None:
-                shutil.rmtree(self.beat_dir, ignore_errors=True)
+            if self.beat_channel is not None:
+                self.beat_channel.remove()
             try:
                 self.store.add(keys.AGENTS_ACTIVE, -1)
             except Exception:  # noqa: BLE001 - the coordinator may be gone already
@@ -196,8 +213,11 @@ class Agent:
                     self.lease.renew()
                 code = self._tick() if self.node is not None else self._standby_tick()
                 last_ok = time.monotonic()
-            except Exception as exc:  # noqa: BLE001 - store unreachable
+            except Exception as exc:  # noqa: BLE001 - store unreachable, or a local file error
                 if time.monotonic() - last_ok > 10.0:
+                    if isinstance(exc, OSError) and exc.filename is not None:  # not the store
+                        self.log(f"cannot use {exc.filename} ({exc.strerror}); stopping this node")
+                        return int(ExitCode.FAILURE)
                     self.log(f"coordinator unreachable ({exc}); stopping this node")
                     return int(ExitCode.COORDINATOR_LOST)
                 code = None
@@ -238,6 +258,8 @@ class Agent:
             return None
         gen = int(gen_raw)
         self._report_liveness(gen, flags, stop_set)
+        if self.replica_size is None and self.args.warm_spares is None and not done:
+            self._top_up_spares()  # more spares once TP x PP is known (`_warm_spares_wanted`)
         check_evictions = evict_seq != self.evict_seq_seen  # only when one was set since
         self.evict_seq_seen = evict_seq
         if self.smp is not None and self.smp.poll() is not None and not done:
@@ -268,7 +290,7 @@ class Agent:
             if done:
                 del self.restart_at[rank]
                 self.finished.add(rank)
-            elif time.monotonic() >= not_before and keys.get_int(self.store, keys.JOB_STEP) >= step:
+            elif time.monotonic() >= not_before and self._restart_due(rank, step):
                 del self.restart_at[rank]
                 bad = gpu_health.check_gpu(gpu_health.device_id(rank - self.ranks[0]))
                 if bad is not None:
@@ -282,13 +304,28 @@ class Agent:
                 self._top_up_spares()
         return None
 
+    def _restart_due(self, rank: int, step: int) -> bool:
+        """A rank held back until job step `step` (an injected downtime) restarts once the job
+        gets there, or at once while the job recovers from losing every replica: the job cannot
+        advance then, and the recovery needs the rank's saved state."""
+        if keys.get_int(self.store, keys.JOB_STEP) >= step:
+            return True
+        if keys.get_int(self.store, keys.RECOVERING) != 1:
+            return False
+        self.log(
+            f"the job recovers from the loss of every replica: rank {rank} restarts now, "
+            f"not at job step {step}"
+        )
+        return True
+
     def _report_liveness(self, gen: int, flags: bytes, stop_set: bool) -> None:
         """One key per node: what the kernel says of each rank (see `liveness.py`), with each
         rank's beat when they beat through this agent; then the trainers' control file."""
         self.report_seq += 1
         procs = {r: (self.incarnation[r], p.pid) for r, p in self.procs.items()}
         beats = None
-        if self.beat_dir is not None:
+        channel = self._channel_ready()
+        if channel:
             beats = local_beat.read_beats(self.beat_dir, {r: self.incarnation[r] for r in procs})
             asked = [(r, b["stop"]) for r, b in sorted(beats.items()) if b.get("stop")]
             if asked and not stop_set:  # a rank got SIGUSR1: every member must stop with it
@@ -296,17 +333,47 @@ class Agent:
                 flags, stop_set = flags + f"{keys.STOP};".encode(), True
         seq = f"{self.agent_id}:{self.report_seq}"
         self.store.set(keys.node_key(self.node), node_report(seq, procs, beats))
-        if self.beat_dir is not None:
-            if gen > self.record_gen:  # the record before the control file that announces it
-                local_beat.write_record(self.beat_dir, gen, self.store.get(keys.gen_record(gen)))
-                self.record_gen = gen
+        if channel:
+            record = self.store.get(keys.gen_record(gen)) if gen > self.record_gen else None
             control = local_beat.Control(seq=self.report_seq, gen=gen)
             if keys.flag_raised(flags, keys.ABORT):
                 control.abort = self._flag_value(keys.ABORT)
             if stop_set:
                 control.stop = self._flag_value(keys.STOP)
             control.done = keys.flag_raised(flags, keys.DONE)
-            local_beat.write_control(self.beat_dir, control)
+            try:  # the record before the control file that announces it
+                if record is not None:
+                    local_beat.write_record(self.beat_dir, gen, record)
+                    self.record_gen = gen
+                local_beat.write_control(self.beat_dir, control)
+            except OSError as exc:  # removed meanwhile: recreated at the next tick
+                self._channel_unusable(exc)
+
+    def _channel_ready(self) -> bool:
+        """The channel folder is there, recreated (with the current record) if something outside
+        removed it. False while it cannot be: the ranks then beat to the store themselves, and
+        only this node's beats take that path (one line says what is missing)."""
+        if self.beat_channel is None:
+            return False
+        try:
+            recreated = self.beat_channel.ensure()
+        except OSError as exc:
+            self._channel_unusable(exc)
+            return False
+        if recreated:
+            self.log(f"the node-local folder {self.beat_dir} was removed; recreated it")
+            self.record_gen = 0  # rewrite the current generation's record
+        self.channel_error = None
+        return True
+
+    def _channel_unusable(self, exc: OSError) -> None:
+        why = f"{exc.filename or self.beat_dir}: {exc.strerror or exc}"
+        if why != self.channel_error:
+            self.log(
+                f"the node-local folder {self.beat_dir} cannot be used ({why}); this node's "
+                "ranks beat to the store until it can"
+            )
+            self.channel_error = why
 
     def _flag_value(self, key: str) -> str:
         """A raised flag's reason, read from the store once: the flag stays raised, and a second
@@ -407,3 +474,11 @@ class Agent:
                 signal_group(proc, signal.SIGKILL)
                 proc.wait()
             signal_group(proc, signal.SIGKILL)
+
+
+def spares_for_replicas(ranks: list[int], replica_size: int) -> int:
+    """The most ranks one replica (`replica_size` consecutive global ranks) has among `ranks`."""
+    per_replica: dict[int, int] = {}
+    for rank in ranks:
+        per_replica[rank // replica_size] = per_replica.get(rank // replica_size, 0) + 1
+    return max(per_replica.values(), default=1)

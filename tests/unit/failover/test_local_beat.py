@@ -122,20 +122,26 @@ def test_a_stalled_agent_makes_the_rank_beat_to_the_store_until_it_moves(store, 
         hb.join(5)
 
 
-def _fake_agent(store, tmp_path, procs) -> types.SimpleNamespace:
+def _fake_agent(store, tmp_path, procs, channel=None) -> types.SimpleNamespace:
+    """The agent's state `_report_liveness` uses; `channel`: a real `ChannelFolder` (else the
+    folder `tmp_path`, never removed)."""
     fake = types.SimpleNamespace(
         store=store,
         node=0,
         agent_id=3,
         report_seq=0,
-        beat_dir=tmp_path,
+        beat_dir=channel.path if channel else tmp_path,
+        beat_channel=channel or types.SimpleNamespace(ensure=lambda: False),
+        channel_error=None,
         procs=procs,
         incarnation=dict.fromkeys(procs, 1),
         record_gen=10**9,  # records: their own test
         flag_values={},
+        lines=[],
     )
-    fake._flag_value = lambda key: Agent._flag_value(fake, key)
-    fake._report_liveness = lambda *a: Agent._report_liveness(fake, *a)
+    fake.log = fake.lines.append
+    for name in ("_flag_value", "_report_liveness", "_channel_ready", "_channel_unusable"):
+        setattr(fake, name, getattr(Agent, name).__get__(fake))
     return fake
 
 
@@ -226,8 +232,97 @@ def test_folders_of_agents_that_are_gone_are_removed(tmp_path):
     orphan = tmp_path / f"mecefo-beat-{dead_pid}-abc"
     orphan.mkdir()
     (orphan / "rank0").write_text("{}")
+    os.utime(orphan, (time.time() - 120, time.time() - 120))  # not one being created now
     live = tmp_path / f"mecefo-beat-{os.getpid()}-def"
     live.mkdir()
-    mine = local_beat.make_folder(str(tmp_path))
+    mine = local_beat.make_folder(str(tmp_path)).path
     assert not orphan.exists() and live.exists() and mine.exists()
     assert mine.name.startswith(f"mecefo-beat-{os.getpid()}-")
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(gone.stdout)
+
+
+def test_a_live_agents_folder_is_never_removed_whatever_its_pid(tmp_path):
+    """Issue 32, item 4: the owner lock, not the pid in the name, says whether a folder's agent
+    lives (a pid is reused; an agent in another pid namespace has a pid this one cannot see)."""
+    old = time.time() - 120
+    live = local_beat.make_folder(str(tmp_path))  # a live agent whose pid looks dead here
+    renamed = tmp_path / f"mecefo-beat-{_dead_pid()}-live"
+    live.path.rename(renamed)
+    os.utime(renamed, (old, old))
+    gone = local_beat.make_folder(str(tmp_path))  # an agent SIGKILLed: its lock is released,
+    os.close(gone._lock_fd)  # and its pid (ours here) was reused since
+    legacy_new = tmp_path / f"mecefo-beat-{_dead_pid()}-new"  # no owner file: being created
+    legacy_new.mkdir()
+    removed = local_beat.remove_orphans(tmp_path)
+    assert removed == [gone.path] and renamed.exists() and legacy_new.exists()
+    os.utime(legacy_new, (old, old))  # an older version's folder, its agent long gone
+    assert local_beat.remove_orphans(tmp_path) == [legacy_new] and renamed.exists()
+
+
+def test_a_removed_folder_is_recreated_with_its_record_and_control(store, tmp_path):
+    """Issue 32, item 4: the agent's next tick recreates its folder (locked again) and rewrites
+    the current generation's record and the control file, in one line."""
+    import shutil
+
+    keys.control_keys(store)
+    store.set(keys.gen_record(2), json.dumps({"members": [0, 1]}))
+    channel = local_beat.make_folder(str(tmp_path))
+    agent = _fake_agent(store, tmp_path, {}, channel)
+    agent.record_gen = 0
+    agent._report_liveness(2, store.get(keys.FLAGS), False)
+    shutil.rmtree(channel.path)
+    agent._report_liveness(2, store.get(keys.FLAGS), False)
+    assert json.loads(local_beat.read_record(channel.path, 2)) == {"members": [0, 1]}
+    assert local_beat.read_control(channel.path).seq == 2
+    assert agent.lines == [f"the node-local folder {channel.path} was removed; recreated it"]
+    assert local_beat.remove_orphans(tmp_path) == []  # locked again: still a live agent's
+    agent._report_liveness(2, store.get(keys.FLAGS), False)
+    assert len(agent.lines) == 1
+
+
+def test_a_folder_that_cannot_be_recreated_costs_one_line_not_the_node(store, tmp_path):
+    import shutil
+
+    keys.control_keys(store)
+    (tmp_path / "shm").mkdir()
+    channel = local_beat.make_folder(str(tmp_path / "shm"))
+    me = types.SimpleNamespace(pid=os.getpid())
+    agent = _fake_agent(store, tmp_path, {0: me}, channel)
+    shutil.rmtree(tmp_path / "shm")  # its parent too: mkdir fails
+    for _ in range(3):
+        agent._report_liveness(1, store.get(keys.FLAGS), False)  # no exception
+    report = json.loads(store.get(keys.node_key(0)))
+    assert report["seq"] == "3:3" and len(report["ranks"]["0"]) == 4  # per-rank keys apply
+    assert len(agent.lines) == 1 and str(channel.path) in agent.lines[0], agent.lines
+    assert "cannot be used" in agent.lines[0] and "No such file" in agent.lines[0]
+
+
+def test_a_rank_started_while_the_folder_is_missing_beats_to_the_store(store, tmp_path):
+    """A rank that starts while its agent's folder is gone does not fail: it beats to the store,
+    and through the agent again once the folder is back."""
+    folder = tmp_path / "channel"
+    hb, exits = _heartbeat(store, folder)  # no such folder: no exception
+    hb.start()
+    try:
+        _wait(lambda: int(store.get(keys.heartbeat(2))) >= 3)
+        folder.mkdir()
+        for seq in range(1, 6):
+            local_beat.write_control(folder, local_beat.Control(seq=seq, gen=1))
+            time.sleep(0.1)
+        assert local_beat.read_beats(folder, {2: 1}), "back to the agent's folder"
+        assert not exits
+    finally:
+        hb.stop()
+        hb.join(5)

@@ -256,3 +256,81 @@ def test_an_event_missing_from_events_jsonl_is_named(tmp_path):
     _events(tmp_path / "events.jsonl", events[:1])
     (problem,) = check_summary(tmp_path)
     assert "failover.events = 2 but events.jsonl has 1" in problem
+
+
+FIRST_HOUR_KILL_EVENTS = [  # events.jsonl of the README's first-hour kill job (issue 32, item 7)
+    {"type": "failure", "step": 15, "dp_rank": 1, "time_s": 1.111, "ranks": [1]},
+    {"type": "detection", "step": 15, "dp_rank": 1, "time_s": 1.436, "latency_ms": 324.85},
+    {"type": "step_redone", "step": 15, "dp_rank": None, "generation": 1, "attempt": 0},
+    {"type": "regroup", "step": 15, "dp_rank": 1, "generation": 2, "latency_ms": 335.27},
+    {"type": "takeover", "step": 15, "dp_rank": None, "generation": 2},
+    {"type": "regroup", "step": 28, "dp_rank": 1, "generation": 3},
+    {
+        "type": "rejoin",
+        "step": 28,
+        "dp_rank": 1,
+        "generation": 3,
+        "latency_ms": 410.79,
+        "ranks": [1],
+        "detail": "state of step 28 from replica 0: 2.02 MB in 21 ms (96.0 MB/s)",
+        "bytes": 2017827,
+        "transfer_ms": 21.019,
+    },
+]
+
+
+def test_rejoin_and_regroup_fields_are_the_jobs_not_the_leaders(tmp_path):
+    """Issue 32, item 7: the leader (rank 0) formed generations 1, 2 and 3 and received no state;
+    the job had 2 regroup events and one 2.02 MB rejoin. The summary says what the events say,
+    and check_summary names a summary that holds the leader's own view instead."""
+    _rows(tmp_path / "metrics.jsonl", range(40))
+    events = FIRST_HOUR_KILL_EVENTS
+    _events(tmp_path / "events.jsonl", events)
+    leader = {"regroups": 3, "rejoin_bytes": 0, "rejoin_s": None, "final_generation": 3}
+    summary = job_wide(
+        {"failover": leader},
+        tmp_path / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=8,
+        events=events,
+        events_seq=len(events),
+    )
+    fo = summary["failover"]
+    assert (fo["regroups"], fo["rejoin_bytes"], fo["rejoin_s"]) == (2, 2017827, 0.021), fo
+    assert fo["final_generation"] == 3  # what only a process knows is kept
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    assert check_summary(tmp_path) == []
+    (tmp_path / "summary.json").write_text(json.dumps({**summary, "failover": {**fo, **leader}}))
+    problems = check_summary(tmp_path)
+    assert sorted(problems) == [
+        "failover.regroups = 3 but events.jsonl has 2",
+        "failover.rejoin_bytes = 0 but events.jsonl says 2017827",
+        "failover.rejoin_s = None but events.jsonl says 0.021",
+    ], problems
+
+
+def test_rejoin_fields_sum_the_bytes_and_keep_the_longest_transfer(tmp_path):
+    _rows(tmp_path / "metrics.jsonl", range(3))
+    events = [
+        {"type": "rejoin", "bytes": 1000, "transfer_ms": 40.0},
+        {"type": "rejoin", "bytes": 500, "transfer_ms": 95.5},
+        {"type": "rejoin"},  # an older line without the transfer's fields
+    ]
+    fo = job_wide(
+        {"failover": {}},
+        tmp_path / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=8,
+        events=events,
+        events_seq=3,
+    )["failover"]
+    assert (fo["rejoins"], fo["rejoin_bytes"], fo["rejoin_s"]) == (3, 1500, 0.096), fo
+    none = job_wide(
+        {"failover": {}},
+        tmp_path / "metrics.jsonl",
+        start_step=0,
+        expected_microbatches=8,
+        events=[],
+        events_seq=0,
+    )["failover"]
+    assert (none["regroups"], none["rejoin_bytes"], none["rejoin_s"]) == (0, 0, None)

@@ -9,7 +9,8 @@ exit, never a start-up of every rank (launch/README.md, "Two rules").
 TP x PP, and the global batch); the injections against the job; the run directory (writable, not
 holding another run); the data files; the snapshot parity against the node count. A run that is
 already complete (its summary reached `training.max_steps` with this config) is told in one line
-(exit `COMPLETE`, which the launch scripts turn into 0).
+(exit `COMPLETE`, which the launch scripts turn into 0). A run directory that holds this same run,
+interrupted before it saved anything, is not "another run": the same command starts it again.
 No torch import.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,10 +38,12 @@ def check(
     world_size: int | None,
     nodes: int | None = None,
     run_dir: bool = True,
+    data: bool = True,
 ):
     """Raise a `MecefoError` for the first problem found; returns the config with the global
     batch resolved for `world_size` ranks (None: not known, e.g. a dry run on a login node).
-    `run_dir`: check the run directory too (not on a node that may join a running job)."""
+    `run_dir`: check the run directory too (not on a node that may join a running job).
+    `data`: check the data files too (a dry run before preprocessing does not: `unchecked_data`)."""
     from megatron_mecefo.data.pipeline import check_paths
     from megatron_mecefo.testing import inject
 
@@ -48,37 +52,78 @@ def check(
         cfg = resolve_global_batch(cfg, world_size)
     inject.specs_of(args.inject, args.failures, cfg, world_size)
     if run_dir:
-        _check_run_dir(cfg)
-    check_paths(cfg.data)
+        _check_run_dir(cfg, world_size)
+    if data:
+        check_paths(cfg.data)
     if nodes is not None:
         _check_parity(cfg, nodes)
     return cfg
 
 
-def _check_run_dir(cfg) -> None:
+def unchecked_data(cfg) -> str | None:
+    """A dry run before preprocessing (a layout check on a login node): the line saying the
+    data files were not checked because none of them exists yet; None when there is something
+    to check (then `check` checks every file, and a missing one is an error)."""
+    data = cfg.data
+    if data.path is None:
+        return None  # the demo corpus: generated on first use
+    files = [f"{data.path}.bin", f"{data.path}.idx", data.tokenizer_model]
+    if any(os.path.exists(f) for f in files):
+        return None
+    return (
+        f"data not checked: none of {', '.join(files)} exists yet (the config and the layout "
+        "were checked); preprocess it before launching (README, 'Data'): the launch requires it"
+    )
+
+
+def _check_run_dir(cfg, world_size: int | None = None) -> None:
+    from megatron_mecefo.config.batch import world_size_from_env
     from megatron_mecefo.training.run_dir import check_writable, occupied
 
     check_writable(Path(cfg.run_dir))
-    if occupied(Path(cfg.run_dir)) and not cfg.overwrite and not _resumable(cfg):
-        raise ConfigError(
-            f"run_dir {cfg.run_dir} already holds a run and no checkpoint or snapshot to resume; "
-            "choose another --run-dir or pass overwrite=true to replace it"
-        )
+    if not occupied(Path(cfg.run_dir)) or cfg.overwrite or _resumable(cfg):
+        return
+    world = world_size if world_size is not None else world_size_from_env(cfg)
+    if interrupted_rerun(cfg, dp_size(cfg, world)):
+        return  # the same run, stopped before it saved anything: it starts again
+    raise ConfigError(
+        f"run_dir {cfg.run_dir} already holds a run and no checkpoint or snapshot to resume; "
+        "choose another --run-dir or pass overwrite=true to replace it"
+    )
 
 
 def _resumable(cfg) -> bool:
     """Saved state of this run directory may exist (validated at start-up, not here)."""
-    from megatron_mecefo.checkpoint import layout
-    from megatron_mecefo.snapshot.paths import run_snapshot_root
-
     if cfg.checkpoint.resume == "never":
         return False
     if cfg.checkpoint.resume != "auto":
         return True  # a named checkpoint: the start-up checks it
+    return _saved(cfg)
+
+
+def _saved(cfg) -> bool:
+    """A committed checkpoint or a snapshot of this run directory exists."""
+    from megatron_mecefo.checkpoint import layout
+    from megatron_mecefo.snapshot.paths import run_snapshot_root
+
     ckpt = layout.checkpoint_root(cfg.checkpoint, cfg.run_dir)
     if any((f / layout.MARKER).is_file() for f in layout.candidates(ckpt)):
         return True
     return any(run_snapshot_root(cfg.snapshot, cfg.run_dir).glob("node*/rank*.slot*"))
+
+
+def interrupted_rerun(cfg, dp: int) -> bool:
+    """The run directory holds this same run (its `identity.json` has this config's hash at DP
+    size `dp`), stopped before it finished (no `summary.json`) and before it saved anything (no
+    committed checkpoint, no snapshot): starting it again from step 0 loses nothing, so the
+    command that was interrupted works as it is."""
+    from megatron_mecefo.training import identity
+
+    run_dir = Path(cfg.run_dir)
+    if (run_dir / "summary.json").exists() or _saved(cfg):
+        return False
+    saved = identity.read_file(run_dir)
+    return saved is not None and saved["config_hash"] == identity.config_hash(cfg, dp)
 
 
 def _check_parity(cfg, nodes: int) -> None:
@@ -140,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.exit_code)
     except SystemExit as exc:  # argparse: its usage line is already printed
         return int(exc.code or 0) and int(ExitCode.CONFIG_ERROR)
+    except KeyboardInterrupt:  # Ctrl-C while the launcher checks: nothing was started
+        print("interrupted (SIGINT): nothing was started", file=sys.stderr, flush=True)
+        return 130
     return int(ExitCode.OK)
 
 

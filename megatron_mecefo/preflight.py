@@ -11,7 +11,8 @@ mistake costs seconds, not an allocation of GPUs waiting on a rendezvous that ca
 - every GPU of the node passes the health check (`failover/liveness/gpu_health.py`).
 Each problem is one `error: ...` line (config errors from node 0 only: every node would print the
 same). Exit codes (errors.ExitCode): 0 fit, 2 CONFIG_ERROR (config, or no/too few GPUs for it),
-3 DATA_ERROR, 4 DISTRIBUTED_ERROR (an unhealthy GPU).
+3 DATA_ERROR (a data file missing: checked here even where a plain dry run would not),
+4 DISTRIBUTED_ERROR (a world that does not divide into TP x PP, an unhealthy GPU).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ def check_config(args: argparse.Namespace):
     from megatron_mecefo import train
     from megatron_mecefo.config.batch import resolve_global_batch
     from megatron_mecefo.config.cli import load_run_config, parse_args
+    from megatron_mecefo.data.pipeline import check_paths
 
     os.environ["WORLD_SIZE"] = str(args.world_size)  # the dry run resolves the global batch
     try:
         trainer = parse_args([*args.trainer_args, "--dry-run"])
+        check_paths(load_run_config(trainer).data)  # a dry run alone skips data not there yet
         with contextlib.redirect_stdout(io.StringIO()):  # the resolved YAML is not wanted here
             train.run(trainer)
         cfg = resolve_global_batch(load_run_config(trainer), args.world_size)

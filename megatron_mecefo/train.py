@@ -7,7 +7,9 @@ runs under failover's `FailoverManager`. Under plain torchrun a rank death ends 
 itself is `training/session.py`, the same code either way.
 
 A user mistake (bad config, missing data, bad layout) prints one `error: ...` line and exits with
-the code from `megatron_mecefo.errors.ExitCode`; `--dry-run` validates the config without starting.
+the code from `megatron_mecefo.errors.ExitCode`; `--dry-run` validates the config without starting
+(the data files too, once any of them exists: before preprocessing it checks the config and the
+layout, and says in one line that the data was not checked).
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_run_config(args)
     if args.dry_run:  # every check that needs no start-up (precheck.py), then the config
         world = os.environ.get("WORLD_SIZE") or os.environ.get("MECEFO_DRY_RUN_WORLD")
-        cfg = precheck.check(cfg, args, world_size=int(world) if world else None)
+        unchecked = precheck.unchecked_data(cfg)  # before preprocessing: a layout check only
+        world_size = int(world) if world else None
+        cfg = precheck.check(cfg, args, world_size=world_size, data=unchecked is None)
         cfg = resolve_global_batch(cfg, world_size_from_env(cfg))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        if unchecked is not None:
+            print(f"note: {unchecked}", file=sys.stderr, flush=True)
         return ExitCode.OK
     world = world_size_from_env(cfg)
     cfg = resolve_global_batch(cfg, world)  # fixed global batch, if set

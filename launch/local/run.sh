@@ -14,8 +14,10 @@
 # here; no node is special: launch/README.md); the default tcp store lives on the head node.
 # Simulated nodes: NNODES=2 NSPARE=1 NPROC=2 runs 2 working nodes of 2 ranks (one mecefo-launch
 # each) and 1 standby node on this machine; a lost node's ranks move to the standby. The agents
-# die with this script (even on SIGKILL); its exit code is the head node's, or, when the head's
-# agent was killed by a signal, the first other node's failure.
+# die with this script (even on SIGKILL); its exit code is 0 when the job trained to its last
+# step (the run's summary.json, written by this launch, says so: `python -m
+# megatron_mecefo.job_outcome`), whichever agent was killed; else the head node's, or, when the
+# head's agent was killed by a signal, the first other node's failure.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -27,6 +29,7 @@ NSPARE="${NSPARE:-0}"
 PYTHON="${PYTHON:-${default_python}}"
 MECEFO_OMP_THREADS="${MECEFO_OMP_THREADS:-1}"
 MECEFO_LAUNCHER="${MECEFO_LAUNCHER:-failover}"
+MECEFO_STORE="${MECEFO_STORE:-tcp}"
 
 fail() {
   echo "error: $1" >&2
@@ -40,6 +43,10 @@ whole MECEFO_OMP_THREADS "${MECEFO_OMP_THREADS}" 1
 case "${MECEFO_LAUNCHER}" in
   failover | torchrun) ;;
   *) fail "MECEFO_LAUNCHER must be failover or torchrun, got '${MECEFO_LAUNCHER}'" ;;
+esac
+case "${MECEFO_STORE}" in
+  tcp | etcd) export MECEFO_STORE ;;
+  *) fail "MECEFO_STORE must be tcp or etcd, got '${MECEFO_STORE}'" ;;
 esac
 if [ "${MECEFO_LAUNCHER}" = torchrun ] && [ $((NNODES + NSPARE)) -gt 1 ]; then
   fail "NNODES and NSPARE simulate failover nodes: use them with MECEFO_LAUNCHER=failover"
@@ -65,8 +72,9 @@ case "${MECEFO_LAUNCHER}" in
       exec "${PYTHON}" -m megatron_mecefo.failover.node.agent_cli "${launch_args[@]}" -- "$@"
     fi
     pids=()
+    launch_start="$(date +%s)" # a summary.json older than this is an earlier launch's
     export MECEFO_DIE_WITH_PARENT=1 # the agents die with this script, even on SIGKILL
-    if [ "${MECEFO_STORE:-tcp}" = etcd ]; then
+    if [ "${MECEFO_STORE}" = etcd ]; then
       # every simulated node is an agent of one etcd job: the site's cluster, or 3 local members
       if [ -z "${MECEFO_ETCD_ENDPOINTS:-}" ]; then
         etcd_dir="$(mktemp -d -t mecefo-etcd-XXXXXX)"
@@ -101,12 +109,17 @@ case "${MECEFO_LAUNCHER}" in
         --node-rank "${i}" "${role[@]}" -- "$@" &
       pids+=($!)
     done
-    trap 'kill -TERM "${pids[@]}" 2> /dev/null || true' TERM INT
+    trap 'kill -TERM "${pids[@]}" 2> /dev/null || true' TERM
+    trap 'kill -INT "${pids[@]}" 2> /dev/null || true' INT # Ctrl-C: each agent stops, exit 130
     trap 'kill -USR1 "${pids[@]}" 2> /dev/null || true' USR1
     codes=()
     for pid in "${pids[@]}"; do
       rc=0
       wait "${pid}" || rc=$?
+      while kill -0 "${pid}" 2> /dev/null; do # a trapped signal ended the wait, not the agent
+        rc=0
+        wait "${pid}" || rc=$?
+      done
       codes+=("${rc}")
     done
     rc="${codes[0]}" # the job's outcome is the head node's...
@@ -117,6 +130,11 @@ case "${MECEFO_LAUNCHER}" in
           break
         fi
       done
+    fi
+    # exit 0 means trained to the last step: what the job wrote decides, not which agent died
+    if [ "${rc}" -ne 0 ] && "${PYTHON}" -m megatron_mecefo.job_outcome --since "${launch_start}" \
+      --codes "${codes[*]}" -- "$@"; then
+      rc=0
     fi
     exit "${rc}"
     ;;

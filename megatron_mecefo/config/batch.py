@@ -14,15 +14,20 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_mecefo.errors import ConfigError
+from megatron_mecefo.errors import ConfigError, DistributedSetupError
 
 
 def dp_size(cfg: Any, world_size: int) -> int:
-    """Data-parallel size of `world_size` ranks under the config's TP x PP layout."""
+    """Data-parallel size of `world_size` ranks under the config's TP x PP layout.
+
+    Raises:
+        DistributedSetupError: the world does not divide into TP x PP (exit 4, a layout the job
+            cannot run: launch/README.md).
+    """
     p = cfg.parallel
     model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if world_size < 1 or world_size % model_parallel:
-        raise ConfigError(
+        raise DistributedSetupError(
             f"world size {world_size} is not a multiple of tensor x pipeline parallel size "
             f"({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size})"
         )

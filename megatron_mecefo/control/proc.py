@@ -32,6 +32,10 @@ VERBOSE_ENV = "MECEFO_VERBOSE"
 """`1`: keep the libraries' import-time warnings (megatron-core's "Transformer Engine and Apex are
 not installed ..." lines, printed by every rank); by default they are silenced."""
 
+SHARDED_TENSOR_DEPRECATION = r"Please use DTensor instead and we are deprecating ShardedTensor"
+"""torch's FutureWarning (`torch/distributed/_shard/_utils.py`) on each ShardedTensor call that
+megatron's `dist_checkpointing` makes while loading a checkpoint (a regex of its start)."""
+
 
 def quiet_library_warnings(environ: MutableMapping[str, str]) -> None:
     """Silence megatron-core's warnings in this process unless `MECEFO_VERBOSE=1`: they say
@@ -42,6 +46,14 @@ def quiet_library_warnings(environ: MutableMapping[str, str]) -> None:
 
     for category in (UserWarning, FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category, module=r"megatron(\.|$)")
+    # megatron's checkpoint loading calls torch's deprecated ShardedTensor (every resume); on CPU
+    # that call passes through our CUDA-to-CPU mode, so torch's FutureWarning names that module
+    warnings.filterwarnings(
+        "ignore",
+        message=SHARDED_TENSOR_DEPRECATION,
+        category=FutureWarning,
+        module=r"megatron_mecefo\.mcore\.cpu_compat$",
+    )
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

@@ -12,6 +12,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -100,9 +101,17 @@ def check_writable(path: Path) -> None:
         where = where.parent
     if not where.is_dir():
         raise ConfigError(f"run_dir {path}: {where} is not a directory; choose another --run-dir")
+    what = "run_dir" if where == path else f"run_dir {path}: its parent"
     if not os.access(where, os.W_OK | os.X_OK):
-        what = "run_dir" if where == path else f"run_dir {path}: its parent"
         raise ConfigError(f"{what} {where} is not writable; choose another --run-dir")
+    try:  # root passes os.access everywhere, yet cannot create a folder in /proc or /sys
+        probe = tempfile.mkdtemp(prefix=".mecefo-probe-", dir=where)
+    except OSError as exc:
+        raise ConfigError(
+            f"{what} {where} is not writable (a folder cannot be created there: "
+            f"{exc.strerror}); choose another --run-dir"
+        ) from None
+    os.rmdir(probe)
 
 
 def truncate_metrics(path: Path, next_step: int) -> None:

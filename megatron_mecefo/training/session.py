@@ -172,6 +172,7 @@ class StaticRun(RunControl):
 
 def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> ExitCode:
     """The whole life of one trainer process; returns its exit code."""
+    from megatron_mecefo import precheck
     from megatron_mecefo.checkpoint.manager import CheckpointManager
     from megatron_mecefo.checkpoint.resume import resolve
     from megatron_mecefo.config.loader import to_dict
@@ -198,10 +199,12 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
         agree_min=agree_min_over_default_group(ctx.device),  # over this replica's ranks
         log=control.logger("recovery"),
     )
+    # the same run, interrupted before it saved anything (precheck.py): it starts again
+    replace = cfg.overwrite or precheck.interrupted_rerun(cfg, control.num_replicas)
     if control.first:  # an occupied run directory fails here, before the expensive part
         RunDir(
             cfg.run_dir,
-            overwrite=cfg.overwrite,
+            overwrite=replace,
             resuming=control.fresh and bool(recovery.candidates()),
         )
     engine = build_engine(
@@ -243,7 +246,7 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
         control.close(engine)
         return ExitCode.OK
     if control.claims_run_dir():
-        run_dir = RunDir(cfg.run_dir, overwrite=cfg.overwrite, resuming=start_step > 0)
+        run_dir = RunDir(cfg.run_dir, overwrite=replace, resuming=start_step > 0)
         try:
             run_dir.create(cfg, control.layout(ctx), resume_step=start_step, identity=identity)
         except BaseException:

@@ -57,16 +57,18 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize(
     ("env", "extra", "code", "says"),
     [
-        ({"NPROC": "4"}, ["parallel.tensor_model_parallel_size=3"], 2, "not a multiple of tensor"),
+        ({"NPROC": "4"}, ["parallel.tensor_model_parallel_size=3"], 4, "not a multiple of tensor"),
         ({"NPROC": "2"}, ["run_dir={tmp}/file/run"], 2, "is not a directory"),
+        ({"NPROC": "2"}, ["run_dir=/proc/mecefo-run"], 2, "/proc is not writable"),
         ({"NPROC": "2"}, ["data.path=/nonexistent/c4", "data.tokenizer_model=/x.model"], 3, "c4"),
         ({"NPROC": "2"}, ["snapshot.interval=1", "snapshot.parity=rs"], 2, "parity groups"),
         ({"NPROC": "0"}, [], 2, "NPROC must be a whole number >= 1, got '0'"),
         ({"NPROC": "abc"}, [], 2, "NPROC must be a whole number >= 1, got 'abc'"),
         ({"NNODES": "2", "NSPARE": "-1", "NPROC": "1"}, [], 2, "NSPARE must be a whole number"),
+        ({"MECEFO_STORE": "bogus"}, [], 2, "MECEFO_STORE must be tcp or etcd, got 'bogus'"),
     ],
-    ids=["tp-does-not-divide", "run-dir-under-a-file", "data-path", "rs-on-one-node", "nproc-0",
-         "nproc-abc", "nspare-negative"],
+    ids=["tp-does-not-divide", "run-dir-under-a-file", "run-dir-in-proc", "data-path",
+         "rs-on-one-node", "nproc-0", "nproc-abc", "nspare-negative", "store-bogus"],
 )  # fmt: skip
 def test_a_mistake_is_one_line_before_anything_starts(tmp_path, demo_data_dir, env, extra, code,
                                                         says):  # fmt: skip
@@ -257,4 +259,81 @@ def test_every_coordinator_restart_reaches_events_jsonl(tmp_path, demo_data_dir)
         restarts,
         killed_at,
     )
+    assert check_summary(run_dir) == []
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("store", ["tcp", "etcd"])
+def test_a_store_that_does_not_answer_is_one_line_and_exit_6(tmp_path, demo_data_dir, store):
+    """tcp: a node's agent started before node 0's store (here: never) waits quietly, says so in
+    one line, and stops at MECEFO_COORDINATOR_WAIT_S with one line, no C++ frames. etcd: endpoints
+    nobody serves are named in one line, exit 6 within seconds, not a traceback after minutes."""
+    port = _closed_port()
+    args = demo_args(tmp_path / "run", demo_data_dir, 10)
+    if store == "tcp":
+        cmd = [sys.executable, "-m", "megatron_mecefo.failover.node.agent_cli", "--nnodes", "2",
+               "--node-rank", "1", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
+               "--", *args]  # fmt: skip
+        env = _env(MECEFO_COORDINATOR_WAIT_S="4")
+    else:
+        cmd = ["bash", "launch/local/run.sh", *args]
+        env = _env(NPROC="1", MECEFO_STORE="etcd", MECEFO_ETCD_ENDPOINTS=f"127.0.0.1:{port}")
+    start = time.monotonic()
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    out = res.stdout + res.stderr
+    lines = [x for x in out.splitlines() if x.strip()]
+    assert res.returncode == 6, out
+    assert lines[-1].startswith("error: ") and f"127.0.0.1:{port}" in lines[-1], out
+    assert len(lines) == (2 if store == "tcp" else 1), out  # tcp: "waiting up to 4 s ..." first
+    assert "frame #" not in out and "Traceback" not in out
+    assert time.monotonic() - start < 60, out
+
+
+def test_ctrl_c_is_one_line_and_the_same_command_starts_over(tmp_path, demo_data_dir):
+    """Ctrl-C (SIGINT to the foreground group) during training: one line, exit 130, nothing of
+    the job left. Nothing was saved yet, so the same command again trains the run from step 0
+    instead of refusing the run directory."""
+    mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
+    run_dir = tmp_path / "run"
+    args = demo_args(run_dir, demo_data_dir, 40, "logging.print_interval=1")
+    proc = subprocess.Popen(
+        ["bash", "launch/local/run.sh", *args],
+        cwd=ROOT,
+        env=_env(NPROC="1", **dict([mark.split("=")])),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    seen = []
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step "):
+                os.killpg(proc.pid, signal.SIGINT)  # what the terminal does on Ctrl-C
+                break
+        seen.append(proc.stdout.read())
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = "".join(seen)
+    assert rc == 130, out
+    assert out.count("interrupted") == 1 and "Traceback" not in out, out
+    deadline = time.monotonic() + 30
+    while job_processes(mark.encode()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job_processes(mark.encode()) == {}
+    assert (run_dir / "metrics.jsonl").exists() and not (run_dir / "summary.json").exists()
+    again = _run_sh(args, NPROC="1")
+    assert again.returncode == 0, again.stdout + again.stderr
+    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(40)), steps
     assert check_summary(run_dir) == []

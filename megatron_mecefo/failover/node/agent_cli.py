@@ -23,9 +23,9 @@ import time
 import uuid
 from pathlib import Path
 
-from megatron_mecefo.control import etcd_cluster, etcd_store
 from megatron_mecefo.control.proc import die_with_parent, ignore_stop_signal, quiet_cpp_logs
 from megatron_mecefo.errors import ExitCode, MecefoError
+from megatron_mecefo.failover.node import store_wait
 from megatron_mecefo.failover.node.agent import Agent
 from megatron_mecefo.failover.node.candidate import CandidateId, CandidateKeeper
 
@@ -89,8 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--warm-spares",
         type=int,
-        default=int(env("MECEFO_WARM_SPARES", 1)),
-        help="pre-imported spare processes kept per node to replace dead ranks quickly (0: off)",
+        default=int(env("MECEFO_WARM_SPARES")) if env("MECEFO_WARM_SPARES") else None,
+        help="pre-imported spare processes kept per node to replace dead ranks quickly (0: off; "
+        "default: as many as one replica (TP x PP) has ranks on the node, so a whole replica "
+        "restarts warm) ($MECEFO_WARM_SPARES)",
     )
     p.add_argument(
         "--coordinator-arg",
@@ -116,7 +118,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             f"--node-rank {args.node_rank} is not one of the {args.nnodes} nodes; "
             "pass --standby for a spare node"
         )
+    if args.store not in ("tcp", "etcd"):  # argparse does not check a default against choices
+        p.error(f"--store (MECEFO_STORE) must be tcp or etcd, got {args.store!r}")
     if args.store == "etcd":
+        from megatron_mecefo.control import etcd_store  # imports torch: not before main()
+
         if args.coordinator:
             p.error("--coordinator is for --store tcp; --store etcd takes --etcd-endpoints")
         multi = args.nnodes > 1 or args.standby
@@ -145,10 +151,15 @@ def _endpoints(args: argparse.Namespace) -> list[str]:
 @contextlib.contextmanager
 def etcd_control_plane(args: argparse.Namespace):
     """`--store etcd`: the job's etcd address (starting 3 local members when no endpoints are
-    given) and this node's coordinator candidate; both stopped on exit."""
+    given) and this node's coordinator candidate; both stopped on exit. Given endpoints must
+    answer within a few seconds (`store_wait.probe_etcd`)."""
+    from megatron_mecefo.control import etcd_cluster, etcd_store
+
     local = None
     tmp = None
-    if not args.etcd_endpoints:
+    if args.etcd_endpoints:
+        store_wait.probe_etcd(_endpoints(args))
+    else:
         tmp = Path(tempfile.mkdtemp(prefix="mecefo-etcd-"))
         local = etcd_cluster.LocalEtcd(tmp, log=lambda m: print(m, flush=True))
         args.etcd_endpoints = ",".join(local.start())
@@ -248,14 +259,24 @@ def main(argv: list[str] | None = None) -> int:
     quiet_cpp_logs(os.environ)  # before torch loads, here and in every process started from here
     if os.environ.pop(DIE_WITH_PARENT_ENV, "") == "1":  # a launcher that may itself be SIGKILLed
         die_with_parent(signal.SIGTERM)  # a stop as on SIGTERM: this node's ranks go with it
-    args = parse_args(argv)
-    bad = precheck_job(args)
-    if bad is not None:
-        if bad[1] is not None:
-            print(f"error: {bad[1]}", file=sys.stderr, flush=True)
-        return bad[0]
-    with contextlib.ExitStack() as stack:
-        return _run(args, stack)
+    signal.signal(signal.SIGINT, _interrupted)  # also where a shell started us with it ignored
+    try:
+        args = parse_args(argv)
+        bad = precheck_job(args)
+        if bad is not None:
+            if bad[1] is not None:
+                print(f"error: {bad[1]}", file=sys.stderr, flush=True)
+            return bad[0]
+        with contextlib.ExitStack() as stack:
+            return _run(args, stack)
+    except KeyboardInterrupt:  # Ctrl-C: the node's ranks are stopped by now (agent.run's finally)
+        print("interrupted (SIGINT): this node's ranks were stopped", file=sys.stderr, flush=True)
+        return 128 + int(signal.SIGINT)
+
+
+def _interrupted(signum, frame):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+    raise KeyboardInterrupt
 
 
 def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
@@ -272,10 +293,23 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
         coordinator, port = start_coordinator(world, args.coordinator_port, args.coordinator_arg)
         address = f"127.0.0.1:{port}"
     try:
+        if coordinator is None and args.store == "tcp":  # node 0 may not be up yet
+            who = f"[agent {args.node_rank}]"
+            store_wait.wait_for_tcp_store(
+                address, store_wait.wait_s(), lambda m: print(f"{who} {m}", flush=True)
+            )
         agent = Agent(args, address)
-    except MecefoError as exc:  # an etcd job id that names a stopped launch
+    except MecefoError as exc:  # an etcd job id that names a stopped launch, no store
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return int(exc.exit_code)
+    except Exception as exc:  # torch's DistError (EtcdUnavailable too): no store to join
+        import torch.distributed as dist
+
+        if not isinstance(exc, dist.DistError):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__  # no C++ frames
+        print(f"error: the job's store at {address}: {first}", file=sys.stderr, flush=True)
+        return int(ExitCode.COORDINATOR_LOST)
 
     grace_s = float(os.environ.get("MECEFO_TERM_GRACE_S") or 0)
 

@@ -8,6 +8,7 @@ one never writes into live buffers later.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,18 @@ _WAIT_SLICE = timedelta(milliseconds=20)
 
 Lost = Callable[[], "str | None"]
 """() -> why the membership was lost (a newer generation dropped a member), or None."""
+
+_SOURCE_PREFIX = re.compile(r"^\[[^\]\s]+\.(?:cc|cpp|h):\d+\]\s*")
+_GLOO_BANNER = " This is typically caused by"
+"""Where gloo's advice to a crashed peer's survivor starts (`... GLHF! ` and an emoji)."""
+
+
+def brief_error(exc: BaseException) -> str:
+    """A collective's error in a few words for a failover line: its first line, without the
+    library's source location (`[.../pair.cc:553] `) and gloo's banner after the first sentence
+    (`Connection closed by peer [127.0.0.1]:23938.`)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return _SOURCE_PREFIX.sub("", text).split(_GLOO_BANNER, 1)[0].strip()
 
 
 class _ThreadWork:
@@ -70,7 +83,7 @@ def wait_work(work, what: str, *, backend: str, lost: Lost, p2p: bool = False) -
     try:
         work.wait()
     except Exception as exc:  # noqa: BLE001 - gloo/NCCL raise RuntimeError subclasses
-        return f"{what} failed: {str(exc).splitlines()[0]}"
+        return f"{what} failed: {brief_error(exc)}"
     return None
 
 
@@ -87,7 +100,7 @@ def _wait_gloo(work, what: str, lost: Lost) -> str | None:
                     work.wait()
                     return None
                 except RuntimeError as exc:
-                    return f"{what} failed: {str(exc).splitlines()[0]}"
+                    return f"{what} failed: {brief_error(exc)}"
         why = lost()
         if why is not None:
             return f"{what} abandoned: {why}"

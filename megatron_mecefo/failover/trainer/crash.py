@@ -19,6 +19,7 @@ import traceback
 from megatron_mecefo.control import etcd_store, keys
 from megatron_mecefo.control.records import read_generation, read_registration
 from megatron_mecefo.errors import ExitCode
+from megatron_mecefo.failover.trainer.collectives import brief_error
 from megatron_mecefo.training import boundary
 
 COMM_WORDS = ("gloo", "NCCL", "Connection", "Timed out")
@@ -42,7 +43,7 @@ def wait_for_removal(store, rank: int, timeout_s: float) -> str | None:
 def crash_code(exc: Exception, rank: int, address: str, incarnation: int) -> int:
     """Report and classify `exc` (see the module docstring); returns the exit code."""
     text = str(exc)
-    first = text.splitlines()[0] if text else type(exc).__name__  # no C++ frames
+    first = brief_error(exc)  # no C++ frames, no gloo banner
     if etcd_store.UNAVAILABLE_TEXT in text:
         print(f"error: rank {rank}: {first}; {boundary.describe()}", file=sys.stderr, flush=True)
         return int(ExitCode.COORDINATOR_LOST)

@@ -20,7 +20,7 @@ from megatron_mecefo import train
 from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
 from megatron_mecefo.config.loader import load_config
 from megatron_mecefo.config.run import RunConfig
-from megatron_mecefo.errors import ConfigError, ExitCode
+from megatron_mecefo.errors import ConfigError, DistributedSetupError, ExitCode
 from megatron_mecefo.failover.config import FailoverConfig
 from megatron_mecefo.training.identity import config_hash
 
@@ -35,10 +35,11 @@ def _nodes(path: Path) -> int:
     return int(re.search(r"-(\d+)n\.yaml$", path.name).group(1))
 
 
-def _dry_run(path: Path, world: int, monkeypatch, *extra: str) -> tuple[int, str]:
+def _dry_run(path: Path, world: int, monkeypatch, *extra: str, err=None) -> tuple[int, str]:
     monkeypatch.setenv("WORLD_SIZE", str(world))
     out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    keep_stderr = contextlib.nullcontext() if err is None else contextlib.redirect_stderr(err)
+    with contextlib.redirect_stdout(out), keep_stderr:
         code = train.main(["--config", str(path), "--dry-run", *extra])
     return code, out.getvalue()
 
@@ -53,13 +54,23 @@ def test_there_are_real_configs_for_1_and_4_nodes():
 def test_real_config_dry_runs_at_its_size(path, monkeypatch, tmp_path):
     world = _nodes(path) * GPUS_PER_NODE
     monkeypatch.chdir(tmp_path)  # the config's relative data paths: not there yet
-    code, _ = _dry_run(path.resolve(), world, monkeypatch)
-    assert code == ExitCode.DATA_ERROR  # the dry run checks the data files
+    err = io.StringIO()
+    code, out = _dry_run(path.resolve(), world, monkeypatch, err=err)
+    assert code == ExitCode.OK and "num_microbatches" in out  # a layout check before the data
+    assert err.getvalue().startswith("note: data not checked: none of ")
+    assert len(err.getvalue().strip().splitlines()) == 1
     data = load_config(RunConfig, path).data
-    for name in (f"{data.path}.bin", f"{data.path}.idx", data.tokenizer_model):
+    names = (f"{data.path}.bin", f"{data.path}.idx", data.tokenizer_model)
+    for name in names:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / names[0]).touch()
+    code, _ = _dry_run(path.resolve(), world, monkeypatch)
+    assert code == ExitCode.DATA_ERROR  # some data is there: all of it is checked
+    for name in names:
         (tmp_path / name).touch()
-    code, out = _dry_run(path.resolve(), world, monkeypatch)
+    err = io.StringIO()
+    code, out = _dry_run(path.resolve(), world, monkeypatch, err=err)
+    assert err.getvalue() == ""
     assert code == ExitCode.OK
     resolved = yaml.safe_load(out)
     t, p = resolved["training"], resolved["parallel"]
@@ -112,8 +123,8 @@ def test_resolution_rules():
     assert world_size_from_env(tp2, {}) == 2  # unset: one replica
     assert world_size_from_env(tp2, {"WORLD_SIZE": "8"}) == 8
     assert world_size_from_env(tp2, {"MECEFO_DRY_RUN_WORLD": "4"}) == 4
-    with pytest.raises(ConfigError, match="tensor x pipeline"):
-        resolve_global_batch(tp2, 3)
+    with pytest.raises(DistributedSetupError, match="tensor x pipeline"):
+        resolve_global_batch(tp2, 3)  # exit 4: a layout the job cannot run (launch/README.md)
 
 
 @pytest.mark.parametrize(

@@ -43,14 +43,16 @@ def test_pp2_dp2_survives_a_kill_on_any_stage(tmp_path, demo_data_dir, failure_f
         demo_data_dir,
         steps=STEPS,
         inject=inject,
-        overrides=PP2,
-        launch_args=("--warm-spares", "2"),
+        overrides=PP2,  # default warm spares: as many as a replica has ranks on the node
     )
     assert_recovered(res, steps=STEPS, replicas=2, tp=2, min_rejoins=2)
     dead = {int(spec.split(":")[1]) // 2 for spec in inject}
     failures = [e for e in res.events() if e["type"] == "failure"]
-    assert {e["dp_rank"] for e in failures} == dead  # the replica goes whole
+    # the replica goes whole, and is one failure however many of its ranks died
+    assert sorted(e["dp_rank"] for e in failures) == sorted(dead), failures
     assert {r for e in failures for r in e["ranks"]} == {2 * d + s for d in dead for s in (0, 1)}
+    assert [e["time_s"] for e in failures] == sorted(e["time_s"] for e in failures)
+    assert len(res.summary()["failover"]["detection_ms"]) == len(dead)
     _same_curve(res, failure_free)
 
 
@@ -78,7 +80,6 @@ def test_pp2_node_loss_with_a_standby(tmp_path, demo_data_dir, failure_free):
         overrides=PP2,
         standby=1,
         while_running=lose_node_1,
-        launch_args=("--warm-spares", "2"),
     )
     assert res.node_codes[0] == 0 and res.node_codes[2] == 0, res.explain()
     res.returncode = 0  # node 1 was killed on purpose
@@ -97,7 +98,6 @@ def test_tp2_pp2_dp2_one_kill(tmp_path, demo_data_dir):
         steps=40,
         inject=("kill:5:4:3",),
         overrides=(*PP2, "parallel.tensor_model_parallel_size=2"),
-        launch_args=("--warm-spares", "4"),
         timeout_s=400,
     )
     assert_recovered(res, steps=40, replicas=2, world=8, tp=4, min_rejoins=4)

@@ -74,7 +74,9 @@ class Agent:
         self.flag_values: dict[str, str] = {}  # ABORT / STOP reasons once read
         self.standby_logged = False
         self.gave_up: dict[int, int] = {}  # rank -> its last exit code, when no longer restarted
-        self.replica_size: int | None = None  # TP x PP, from this node's first registration
+        self.replica_size: int | None = None  # TP x PP: for the default warm spares
+        if args.warm_spares is None:
+            self.replica_size = replica_size_of(args.trainer_args)
         check_fresh_launch(self.store, getattr(args, "job_id", ""))
         keys.control_keys(self.store)
         self.agent_id = self.store.add(keys.AGENT_IDS, 1)
@@ -154,7 +156,7 @@ class Agent:
         """`--warm-spares`, or by default (auto) as many as one replica has ranks on this node:
         a replica (TP x PP ranks) leaves and comes back whole, so all its ranks here restart
         together, and each one started cold would hold the whole replica back. Until this node's
-        ranks register (that tells TP x PP) the default is 1."""
+        ranks register (that tells TP x PP) the default is 1 if the command line could not say."""
         if self.args.warm_spares is not None:
             return self.args.warm_spares
         if self.replica_size is None and self.ranks:
@@ -482,3 +484,16 @@ def spares_for_replicas(ranks: list[int], replica_size: int) -> int:
     for rank in ranks:
         per_replica[rank // replica_size] = per_replica.get(rank // replica_size, 0) + 1
     return max(per_replica.values(), default=1)
+
+
+def replica_size_of(trainer_args: list[str]) -> int | None:
+    """TP x PP of the trainers' command line, read as the trainers will read it (without torch:
+    the config packages import it lazily), or None when it cannot be read (the trainers say
+    why)."""
+    from megatron_mecefo.config.cli import load_run_config, parse_args
+
+    try:
+        par = load_run_config(parse_args(list(trainer_args))).parallel
+    except (Exception, SystemExit):  # noqa: BLE001 - not the agent's error to report
+        return None
+    return par.tensor_model_parallel_size * par.pipeline_model_parallel_size

@@ -178,6 +178,63 @@ def test_losing_every_replica_aborts_the_job(store):
     assert keys.get_int(store, keys.GEN) == 1
 
 
+def test_a_replica_lost_once_is_one_failure_whatever_ranks_died(store):
+    """A pipeline replica (2 ranks): one rank dies, the other leaves with it (evicted, no
+    failure of its own); two replicas lost in one decision post their failures in time order."""
+    c = make(store, world=6)
+    for r in range(6):
+        register(store, r, tp=2, world=6)
+    c.tick()
+    now = time.time()
+    store.set(keys.injected(5, 0), f"kill:{now - 0.5}")  # replica 2 failed first
+    store.set(keys.injected(1, 0), f"kill:{now - 0.2}")
+    keys.report_dead(store, 1, 0)
+    keys.report_dead(store, 5, 0)
+    c.tick()
+    assert members(store) == (2, [1])
+    assert all(store.get(keys.evict(r)) == b"0" for r in (0, 1, 4, 5))  # the peers go too
+    evs = posted_events(store)[0]
+    fails = [e for e in evs if e["type"] == "failure"]
+    dets = [e for e in evs if e["type"] == "detection"]
+    assert [e["dp_rank"] for e in fails] == [2, 0] and [e["dp_rank"] for e in dets] == [2, 0]
+    assert fails[0]["ranks"] == [4, 5] and fails[1]["ranks"] == [0, 1]
+    assert "rank 1: injected kill" in fails[1]["detail"] and "rank 0" not in fails[1]["detail"]
+    assert [e["epoch_s"] for e in fails] == sorted(e["epoch_s"] for e in fails)
+    assert [e["type"] for e in evs].index("detection") == 2  # every failure before detections
+
+
+def test_a_rollback_recovers_at_once_and_its_exits_are_no_failures(store):
+    """A member found optimizer shards without a copy (`keys.rollback`): every member leaves
+    for the recovery without eviction (one may be committing a checkpoint), `RECOVERING` tells
+    the agents to restart held-back ranks, and the restarted ranks form the recovery generation."""
+    c = make(store)
+    _recovery(store)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    keys.report_dead(store, 1, 0)
+    keys.report_dead(store, 2, 0)
+    c.tick()
+    assert members(store) == (2, [0, 3])
+    store.add(keys.rollback(2), 1)
+    c.tick()
+    assert c.members == () and keys.get_int(store, keys.RECOVERING) == 1
+    assert not store.check([keys.evict(0)]) and not store.check([keys.evict(3)])
+    keys.report_dead(store, 3, 0)  # the members exit by themselves
+    keys.report_dead(store, 0, 0)
+    register(store, 3, inc=1)  # quick to restart: must not join before the others
+    run_ticks(c, store, beating=[3], seconds=0.2)
+    assert keys.get_int(store, keys.GEN) == 2
+    for r in (0, 1, 2):
+        register(store, r, inc=1)
+    run_ticks(c, store, beating=[0, 1, 2, 3], seconds=0.2)
+    gen, record = keys.get_int(store, keys.GEN), json.loads(store.get(keys.gen_record(3)))
+    assert gen == 3 and record["members"] == [0, 1, 2, 3] and record["reason"] == "recover"
+    assert keys.get_int(store, keys.RECOVERING) == 0
+    fails = [e for e in posted_events(store)[0] if e["type"] == "failure"]
+    assert sorted(e["dp_rank"] for e in fails) == [1, 2]  # the rollback's exits are not failures
+
+
 def _recovery(store, mode="failover", wait_all_s=60.0):
     store.set(
         keys.RECOVERY,

@@ -7,7 +7,6 @@ checkout's `runs/` is never read or written."""
 from __future__ import annotations
 
 import json
-import shlex
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from megatron_mecefo.config.loader import load_config
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.training import identity
+from tests.helpers.readme import readme_commands
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,23 +42,6 @@ def _precheck(world: int, *args: str) -> int:
     return precheck.main(["--world-size", str(world), "--", *args])
 
 
-def _readme_training_commands() -> list[tuple[dict[str, str], list[str]]]:
-    """(environment, argv) of each command in the README's "Training" code block."""
-    text = (ROOT / "README.md").read_text()
-    block = text.split("\n## Training\n", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
-    commands = []
-    for line in block.replace("\\\n", " ").splitlines():
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        words = shlex.split(line)
-        env = {}
-        while "=" in words[0] and not words[0].startswith("-"):
-            key, _, value = words.pop(0).partition("=")
-            env[key] = value
-        commands.append((env, words))
-    return commands
-
-
 def test_the_readme_training_commands_do_what_they_say_after_the_demo(
     tmp_path, monkeypatch, capsys
 ):
@@ -70,7 +53,7 @@ def test_the_readme_training_commands_do_what_they_say_after_the_demo(
     _finished_run(tmp_path / "runs" / "demo_cpu", 2, steps=1000)
     assert _precheck(2, "--config", DEMO, "overwrite=true") == ExitCode.OK  # demo.sh's own
     assert _precheck(2, "--config", DEMO) == precheck.COMPLETE  # the demo did finish
-    commands = _readme_training_commands()
+    commands = readme_commands("Training")
     assert len(commands) >= 5, commands
     run_dirs = set()
     for env, argv in commands:

@@ -4,7 +4,7 @@
 
 Under `mecefo-launch` (which sets MECEFO_COORDINATOR) the run survives rank deaths: the session
 runs under failover's `FailoverManager`. Under plain torchrun a rank death ends the job. The run
-itself is `training/session.py`, the same code either way.
+itself is `session.py` (beside this file), the same code either way.
 
 A user mistake (bad config, missing data, bad layout) prints one `error: ...` line and exits with
 the code from `megatron_mecefo.errors.ExitCode`; `--dry-run` validates the config without starting
@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_mecefo import precheck
     from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
     from megatron_mecefo.config.loader import to_dict
-    from megatron_mecefo.training.session import StaticRun, run_session
+    from megatron_mecefo.session import StaticRun, run_session
 
     cfg = load_run_config(args)
     if args.dry_run:  # every check that needs no start-up (precheck.py), then the config

@@ -26,8 +26,8 @@ def main() -> int:
     import torch  # noqa: F401 - the point of a spare is to have paid for these imports
 
     import megatron_mecefo.failover.trainer.manager  # noqa: F401
+    import megatron_mecefo.session  # noqa: F401
     import megatron_mecefo.training.engine  # noqa: F401
-    import megatron_mecefo.training.session  # noqa: F401
     from megatron_mecefo.mcore.model import preload_megatron
 
     preload_megatron()

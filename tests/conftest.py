@@ -37,3 +37,15 @@ def demo_data_dir(tmp_path_factory):
         vocab_size=cfg.demo_vocab_size,
     )
     return path
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs_tool(name, how): skipped without it; CI=true fails")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A test marked `needs_tool` skips (or, under CI=true, fails) before its fixtures start."""
+    from tests.helpers.tools import check_marks
+
+    check_marks(item)

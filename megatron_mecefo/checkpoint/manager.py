@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mecefo.checkpoint import layout
-from megatron_mecefo.checkpoint.config import CheckpointConfig
 from megatron_mecefo.checkpoint.layout import checkpoint_root
+from megatron_mecefo.config.checkpoint import CheckpointConfig
 from megatron_mecefo.errors import CheckpointError
 from megatron_mecefo.training.hooks import TrainHook
 from megatron_mecefo.training.identity import StateIdentity, config_changes

@@ -3,7 +3,8 @@ recovery, from the run directory's `identity.json` and `checkpoint.resume` (DESI
 
 `auto` continues the run directory's identity, `never` starts a new run, a checkpoint folder
 starts a new line branching from that checkpoint's line at its step. How the ranks agree on one
-proposal is passed in (`share_over_store` under failover, `share_over_default_group` otherwise).
+proposal is passed in (`share_over_store` under failover, else
+`mcore.collectives.share_over_default_group`).
 """
 
 from __future__ import annotations
@@ -63,18 +64,3 @@ def resolve(
 def share_over_store(store) -> Callable[[str], str]:
     """First proposal wins, for every trainer of the launch (restarted ones included)."""
     return lambda proposal: store.compare_set(keys.IDENTITY, "", proposal).decode()
-
-
-def share_over_default_group() -> Callable[[str], str]:
-    """Rank 0's proposal, broadcast over the default process group (all ranks call it)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return lambda proposal: proposal
-
-    def share(proposal: str) -> str:
-        box = [proposal]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    return share

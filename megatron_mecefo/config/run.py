@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatron_mecefo.checkpoint.config import CheckpointConfig
+from megatron_mecefo.config.checkpoint import CheckpointConfig
+from megatron_mecefo.config.failover import FailoverConfig
+from megatron_mecefo.config.snapshot import RecoveryConfig, SnapshotConfig
+from megatron_mecefo.config.training import TrainingConfig
 from megatron_mecefo.data.config import DataConfig
-from megatron_mecefo.failover.config import FailoverConfig
 from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
 from megatron_mecefo.mecefo.config import MecefoConfig
 from megatron_mecefo.metrics.config import LoggingConfig
-from megatron_mecefo.snapshot.config import RecoveryConfig, SnapshotConfig
-from megatron_mecefo.training.config import TrainingConfig
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -9,7 +9,8 @@ makes the collective abortable; a failed reduction is recorded there and decided
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -97,6 +98,48 @@ def set_lr(optimizer, lr: float, weight_decay: float) -> None:
         group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
 
 
+@contextlib.contextmanager
+def hold_params(optimizer, params: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Restore `params`, their fp32 master copies and their optimizer moments after the optimizer
+    step run inside: a step that computed no gradient for them (masked averaging with E = 0) must
+    not move them. Their reduced gradient is zero, but AdamW would still step them by its
+    momentum (exp_avg / sqrt(exp_avg_sq) decays slowly: ~0.92 per step with betas (0.9, 0.95))
+    and weight decay, along a direction no data of this step supports. The step count advances
+    as for every parameter (megatron keeps one). Every replica restores the same values."""
+    if not params:
+        yield
+        return
+    tensors = [p.data for p in params] + _optimizer_tensors(optimizer, params)
+    saved = [t.detach().clone() for t in tensors]
+    yield
+    with torch.no_grad():
+        for tensor, value in zip(tensors, saved):
+            tensor.copy_(value)
+
+
+def _optimizer_tensors(optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The optimizer's tensors that belong to `params`: master copies (bf16 training) and every
+    per-parameter state tensor but the step count; the sharded optimizer names its own."""
+    if hasattr(optimizer, "state_views"):
+        return optimizer.state_views(params)
+    out: list[torch.Tensor] = []
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        main_of = {  # Float16OptimizerWithFloat16Params: model param -> its fp32 master
+            id(model): main
+            for models, mains in zip(
+                getattr(opt, "float16_groups", ()), getattr(opt, "fp32_from_float16_groups", ())
+            )
+            for model, main in zip(models, mains)
+        }
+        for param in params:
+            main = main_of.get(id(param), param)
+            if main is not param:
+                out.append(main.data)
+            state = opt.optimizer.state.get(main, {})
+            out += [v for k, v in state.items() if k != "step" and isinstance(v, torch.Tensor)]
+    return out
+
+
 def forward_backward(
     ddp: torch.nn.Module,
     forward_step: Callable,
@@ -141,6 +184,12 @@ class PlanGradReducer:
         self.grad_scale = 1.0
         self.attention_grad_scale = 1.0
         self._masks = self._build_masks(ddp, is_masked_param) if is_masked_param else None
+        self.masked_params = (
+            [p for n, p in ddp.module.named_parameters() if is_masked_param(n)]
+            if is_masked_param
+            else []
+        )
+        """The parameters `attention_grad_scale` applies to (held on a step with E = 0)."""
 
     @staticmethod
     def _build_masks(ddp, is_masked_param) -> list[torch.Tensor | None]:

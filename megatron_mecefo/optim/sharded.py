@@ -173,6 +173,18 @@ class ShardedOptimizer:
         self.gather_params()
         return True, norm, None
 
+    def state_views(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of the held shards' master and moments over `params` (`stack.hold_params`)."""
+        wanted = {id(p) for p in params}
+        out = []
+        for s, st in sorted(self.held.items()):
+            for piece in self.layout.pieces(s):
+                if id(self.layout.params[piece.param]) in wanted:
+                    lo = piece.shard_lo
+                    hi = lo + piece.param_hi - piece.param_lo
+                    out += [t[lo:hi] for t in (st.master, st.exp_avg, st.exp_avg_sq)]
+        return out
+
     @torch.no_grad()
     def gather_params(self) -> bool:
         """Every shard's primary sends its master (in the parameters' dtype); every member writes

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron_mecefo.mecefo.config import MecefoConfig
 from megatron_mecefo.plan.accuracy import AccuracyCosts, load_accuracy_costs
 from megatron_mecefo.plan.cost import CostModel, flop_cost_model
 from megatron_mecefo.plan.step_plan import RankStepPlan
@@ -23,7 +22,9 @@ def accuracy_costs(cfg: Any) -> AccuracyCosts:
     table = load_accuracy_costs(mec.accuracy_costs or None)
     if table.skip_attention_layers == mec.skip_attention_layers:
         return table
-    measured = MecefoConfig(skip_attention_layers=table.skip_attention_layers)
+    # the run's config class (`mecefo.config.MecefoConfig`, above this package) at the table's
+    # setting, its other fields at their defaults
+    measured = type(mec)(skip_attention_layers=table.skip_attention_layers)
     ours = len(mec.skip_layer_indices(layers))
     return table.with_skip_fraction(ours / len(measured.skip_layer_indices(layers)))
 

@@ -13,7 +13,8 @@ another counts as two replicas' worth. Before the single all-reduce (SUM) every 
 local gradients by `1/num_replicas` (ordinary parameters) or `masked_scale` (attention and
 input-norm parameters, which degraded micro-batches do not produce): `masked_scale = M / E`, with
 E = exact micro-batches in the whole group this step, i.e. the average over the replicas-worth that
-actually computed them.
+actually computed them. With E = 0 nobody computed them: the step holds those parameters
+(`holds_masked_params`) instead of letting AdamW's momentum move them on a zero gradient.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ class RankStepPlan:
     @property
     def attention_grad_scale(self) -> float:
         return self.grad_scale if self.masked_scale is None else self.masked_scale
+
+    @property
+    def holds_masked_params(self) -> bool:
+        """No member computes attention / input-norm gradients this step (E = 0,
+        `masked_scale` 0.0): the optimizer must leave those parameters and their moments as they
+        are. A zero gradient is not enough: AdamW would still move them along its momentum."""
+        return self.masked_scale == 0.0
 
     @property
     def num_degraded(self) -> int:

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megatron_mecefo.snapshot.config import SnapshotConfig
+from megatron_mecefo.config.snapshot import SnapshotConfig
 from megatron_mecefo.snapshot.slots import HEADER, SlotPair, plan_layout
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.hooks import TrainHook

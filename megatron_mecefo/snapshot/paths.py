@@ -6,7 +6,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from megatron_mecefo.snapshot.config import SnapshotConfig
+from megatron_mecefo.config.snapshot import SnapshotConfig
 
 SMP_ENV = "MECEFO_SMP"
 """Set to 1 by mecefo-launch when the node runs a snapshot process."""

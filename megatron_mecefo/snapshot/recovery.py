@@ -232,19 +232,3 @@ def _check_shapes(engine, state: dict) -> None:
                 f"snapshot tensor {name} has shape {tuple(tensor.shape)}, the model has "
                 f"{tuple(have.shape)} (written by a different model config)"
             )
-
-
-def agree_min_over_default_group(device) -> Callable[[int], int]:
-    """`agree_min` over the default process group (identity when it has one rank)."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return lambda x: x
-
-    def agree(value: int) -> int:
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)  # every rank of the group calls this in order
-        return int(t.item())
-
-    return agree

@@ -26,8 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from megatron_mecefo.config.snapshot import SnapshotConfig
 from megatron_mecefo.errors import SnapshotCorruptError
-from megatron_mecefo.snapshot.config import SnapshotConfig
 from megatron_mecefo.snapshot.slots import SlotPair
 
 READY_MARKER = "smp.ready"

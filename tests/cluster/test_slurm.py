@@ -16,7 +16,9 @@ scancel and Slurm's preemption send) saving a final checkpoint within the grace 
 script's own timer asking for the stop before the time limit.
 
 Skipped, with one message saying why, only where Slurm cannot be installed or run (not root, no
-apt-get, no network). There is no slurmdbd, so job states come from `scontrol show job`.
+apt-get, no network), or MECEFO_SKIP_SLURM is set; under CI=true a Slurm that cannot be installed
+or run fails instead (`tests/helpers/tools.py`). There is no slurmdbd, so job states come from
+`scontrol show job`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -34,6 +35,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.etcd import needs_etcd
+from tests.helpers.tools import tool_missing
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -78,13 +82,13 @@ def slurm(tmp_path_factory) -> Cluster:
         ["bash", str(HARNESS), "install"], capture_output=True, text=True, timeout=600
     )
     if install.returncode == 3:
-        pytest.skip(f"Slurm tests skipped: {install.stderr.strip().splitlines()[-1]}")
+        tool_missing("Slurm", install.stderr.strip().splitlines()[-1])
     assert install.returncode == 0, install.stdout + install.stderr
     cluster_dir = tmp_path_factory.mktemp("slurm")
     start_cmd = ["bash", str(HARNESS), "start", str(cluster_dir)]
     start = subprocess.run(start_cmd, capture_output=True, text=True, timeout=120)
     if start.returncode == 3:
-        pytest.skip(f"Slurm tests skipped: {start.stderr.strip().splitlines()[-1]}")
+        tool_missing("Slurm", start.stderr.strip().splitlines()[-1])
     assert start.returncode == 0, start.stdout + start.stderr
     path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
     env = {**os.environ, "PATH": path, "SLURM_CONF": str(cluster_dir / "slurm.conf")}
@@ -328,7 +332,7 @@ def _free_port_run(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-@pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd: bash scripts/install_etcd.sh")
+@needs_etcd
 @pytest.mark.parametrize("members", ["site", "in-job"])
 def test_etcd_store_survives_the_loss_of_the_first_node(slurm, tmp_path, demo_data_dir, members):
     """MECEFO_STORE=etcd, with the site's cluster (3 members started here) or members the job

@@ -160,7 +160,7 @@ def _losses(run_dir) -> list[float]:
 def test_corrupt_snapshot_falls_back_to_disk_and_a_wrong_shape_is_refused(
     tmp_path, demo_data_dir, shm_root
 ):
-    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.config.snapshot import SnapshotConfig
     from megatron_mecefo.snapshot.paths import node_dir
 
     ref = _train(tmp_path / "ref", demo_data_dir, 12, "model.hidden_dropout=0.1")
@@ -205,7 +205,7 @@ def test_a_stale_snapshot_of_another_run_is_never_resumed(tmp_path, demo_data_di
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
 
-    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.config.snapshot import SnapshotConfig
     from megatron_mecefo.snapshot.paths import run_snapshot_root
 
     shm = run_snapshot_root(SnapshotConfig(), str(tmp_path / "run"))

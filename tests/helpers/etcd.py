@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-needs_etcd = pytest.mark.skipif(
-    shutil.which("etcd") is None,
-    reason="no etcd on PATH: bash scripts/install_etcd.sh (scripts/test.sh runs it)",
-)
+from tests.helpers.tools import needs_tool
+
+needs_etcd = needs_tool("etcd", "bash scripts/install_etcd.sh (scripts/test.sh runs it)")
+"""Skips without etcd on PATH; under CI=true fails (`tests/helpers/tools.py`)."""
 
 
 @pytest.fixture

@@ -60,7 +60,7 @@ def _engine(ctx, model: str, demo_dir: str, shm: Path):
 
 def overhead(engine, shm: Path, args, say) -> dict:
     """Median step time per snapshot interval (0 = off), rounds interleaved."""
-    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.config.snapshot import SnapshotConfig
     from megatron_mecefo.snapshot.hook import SnapshotHook
 
     times: dict[int, list[float]] = {i: [] for i in [0, *args.intervals]}
@@ -179,11 +179,11 @@ def copy_bandwidth(engine, shm: Path) -> dict:
 def restore_times(engine, shm: Path, ckpt_dir: Path, say) -> dict:
     """Time to get the state back from shared memory, from parity, and from disk."""
     from megatron_mecefo.checkpoint import layout
-    from megatron_mecefo.checkpoint.config import CheckpointConfig
     from megatron_mecefo.checkpoint.manager import CheckpointManager
+    from megatron_mecefo.config.checkpoint import CheckpointConfig
+    from megatron_mecefo.config.snapshot import SnapshotConfig
     from megatron_mecefo.mcore import checkpointing
     from megatron_mecefo.snapshot import codec, smp
-    from megatron_mecefo.snapshot.config import SnapshotConfig
     from megatron_mecefo.snapshot.hook import SnapshotHook
     from megatron_mecefo.snapshot.parity import ParityService
     from megatron_mecefo.snapshot.slots import SlotPair

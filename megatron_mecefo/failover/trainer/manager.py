@@ -47,7 +47,7 @@ from megatron_mecefo.plan.from_config import plans_for_members
 from megatron_mecefo.plan.step_plan import RankStepPlan
 from megatron_mecefo.training import boundary
 from megatron_mecefo.training import state as train_state
-from megatron_mecefo.training.session import RunControl
+from megatron_mecefo.training.run_control import RunControl
 from megatron_mecefo.training.stop import StopFlag
 
 EVENTS_WAIT_S = 15.0

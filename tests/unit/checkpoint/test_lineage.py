@@ -9,9 +9,9 @@ import json
 import pytest
 
 from megatron_mecefo.checkpoint import layout
-from megatron_mecefo.checkpoint.config import CheckpointConfig
 from megatron_mecefo.checkpoint.manager import find_resume
 from megatron_mecefo.checkpoint.resume import resolve
+from megatron_mecefo.config.checkpoint import CheckpointConfig
 from megatron_mecefo.config.loader import load_config
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.errors import CheckpointError

@@ -18,10 +18,10 @@ import yaml
 
 from megatron_mecefo import train
 from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
+from megatron_mecefo.config.failover import FailoverConfig
 from megatron_mecefo.config.loader import load_config
 from megatron_mecefo.config.run import RunConfig
 from megatron_mecefo.errors import ConfigError, DistributedSetupError, ExitCode
-from megatron_mecefo.failover.config import FailoverConfig
 from megatron_mecefo.training.identity import config_hash
 
 pytestmark = pytest.mark.timeout(60)

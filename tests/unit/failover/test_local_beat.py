@@ -178,24 +178,37 @@ def test_control_keys_exist_once_and_keep_their_values(store):
     assert not keys.flag_raised(store.get(keys.FLAGS), keys.ABORT)
 
 
+def _progress(n: int) -> str:
+    """A beat whose length changes with its counter, so a torn read cannot pass for a whole one."""
+    return f"{n}:" + "x" * (4096 if n % 2 else 16)
+
+
 def test_threads_beat_concurrently_without_torn_reads(tmp_path):
+    assert local_beat.read_beats(tmp_path, {0: 0}) == {}  # before the first write only
+    local_beat.write_beat(tmp_path, 0, 0, 1, _progress(1), None)
     stop = threading.Event()
 
     def writer():
-        n = 0
+        n = 1
         while not stop.is_set():
             n += 1
-            local_beat.write_beat(tmp_path, 0, 0, n, "0:1:compute" * 20, None)
+            local_beat.write_beat(tmp_path, 0, 0, n, _progress(n), None)
 
     t = threading.Thread(target=writer)
     t.start()
     try:
-        for _ in range(300):
+        last = 1
+        for _ in range(2000):
             beat = local_beat.read_beats(tmp_path, {0: 0}).get(0)
-            assert beat is None or beat["progress"] == "0:1:compute" * 20
+            # whole, old or new: never missing once written, never half of one write
+            assert beat is not None, "a reader saw no beat after the first write"
+            assert beat["progress"] == _progress(beat["beats"]), beat["beats"]
+            assert beat["beats"] >= last  # never an older beat than one already seen
+            last = beat["beats"]
     finally:
         stop.set()
         t.join()
+    assert last > 1  # the writer did write while the reader read
 
 
 def test_records_are_kept_for_the_last_two_generations(tmp_path):

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from megatron_mecefo.snapshot.config import SnapshotConfig
+from megatron_mecefo.config.snapshot import SnapshotConfig
 from megatron_mecefo.snapshot.hook import SnapshotHook
 from megatron_mecefo.snapshot.slots import SlotPair
 from megatron_mecefo.training.identity import StateIdentity

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
+from megatron_mecefo.config.training import TrainingConfig
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.metrics.config import LoggingConfig
 from megatron_mecefo.metrics.logger import MetricsLogger
 from megatron_mecefo.metrics.mfu import mfu, peak_flops
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
-from megatron_mecefo.training.config import TrainingConfig
 from megatron_mecefo.training.lr_schedule import lr_at
 from megatron_mecefo.training.run_dir import RunDir
 

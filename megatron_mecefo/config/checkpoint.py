@@ -1,4 +1,5 @@
-"""Disk-checkpoint settings (pure dataclass)."""
+"""Disk-checkpoint settings of `checkpoint/` (pure dataclass; here, below `checkpoint/`, so that
+`config.run` composes it without an upward import)."""
 
 from __future__ import annotations
 

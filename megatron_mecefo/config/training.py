@@ -1,4 +1,5 @@
-"""Optimisation and schedule settings of a run (pure dataclass)."""
+"""Optimisation and schedule settings of a run (pure dataclass; here, below `training/`, so that
+`config.run` composes it without an upward import)."""
 
 from __future__ import annotations
 

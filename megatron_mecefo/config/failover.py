@@ -1,4 +1,5 @@
-"""Trainer-side failover settings (pure dataclass). Coordinator-side detection knobs are flags of
+"""Trainer-side failover settings (pure dataclass; here, below `failover/`, so that `config.run`
+composes it without an upward import). Coordinator-side detection knobs are flags of
 `mecefo-coordinator` (and `mecefo-launch`), since the coordinator never reads a run config."""
 
 from __future__ import annotations

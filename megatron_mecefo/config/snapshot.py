@@ -1,4 +1,5 @@
-"""In-memory snapshot and recovery settings (pure dataclasses)."""
+"""In-memory snapshot and recovery settings of `snapshot/` (pure dataclasses; here, below
+`snapshot/`, so that `config.run` composes them without an upward import)."""
 
 from __future__ import annotations
 

@@ -119,7 +119,9 @@ def launch(
     name: str = "run",
     while_running: Callable[[subprocess.Popen, Path], None] | None = None,
 ) -> LaunchResult:
-    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run."""
+    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run.
+    A job that nothing disturbs (no injection, no `while_running`) runs without warm spares:
+    it never restarts a rank, and each spare costs a full torch import."""
     run_dir = tmp_path / name
     cmd = [
         sys.executable,
@@ -129,6 +131,7 @@ def launch(
         str(nproc),
         "--restart-delay-s",
         "0.5",
+        *_no_spares_if_undisturbed(launch_args, inject, while_running),
         *launch_args,
         "--",
         *trainer_args(run_dir, demo_data_dir, steps, inject, overrides),
@@ -154,6 +157,12 @@ def launch(
     if rc == -9:
         output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
     return LaunchResult(rc, output, run_dir, time.monotonic() - start)
+
+
+def _no_spares_if_undisturbed(launch_args, inject, while_running) -> tuple[str, ...]:
+    if inject or while_running is not None or "--warm-spares" in launch_args:
+        return ()
+    return ("--warm-spares", "0")
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -221,6 +230,7 @@ def launch_nodes(
             "--restart-delay-s",
             "0.5",
             *where,
+            *_no_spares_if_undisturbed(launch_args, inject, while_running),
             *launch_args,
             "--",
             *trainer,

@@ -102,6 +102,13 @@ def committed_tasks(run_dir: Path, *, rolled_back: bool = False) -> tuple[Counte
     return counts, problems
 
 
+def went_back(events: list[dict]) -> bool:
+    """The job went back to saved state: a `recovery` (every replica lost) or a `rollback`
+    (every holder of an optimizer shard lost); the steps after it were redone
+    (`committed_tasks(rolled_back=True)` counts them once from there)."""
+    return any(e.get("type") in ("recovery", "rollback") for e in events)
+
+
 def check_audit(
     run_dir: Path,
     max_steps: int,
@@ -177,9 +184,15 @@ def state_digests(run_dir: Path) -> tuple[dict[int, dict], list[str]]:
     return out, bad
 
 
-def check_digests(run_dir: Path, max_steps: int, *, tp: int = 1, required=()) -> list[str]:
-    """Each rank's final model/optimizer digests are equal across replicas (per TP shard), all
-    at step `max_steps`; every rank in `required` (ranks that never died) has one."""
+def check_digests(
+    run_dir: Path, max_steps: int, *, replica_size: int = 1, required=(), num_shards: int = 0
+) -> list[str]:
+    """Each rank's final model/optimizer digests are equal across replicas, position by position
+    (ranks r and r' hold the same (stage, TP rank) position iff r % replica_size ==
+    r' % replica_size; replica_size = TP x PP), all at step `max_steps`; every rank in `required`
+    (ranks of replicas that never failed) has one. Distributed optimizer (`num_shards` > 0,
+    one shard per replica): at each position the ranks holding a shard agree on its digest, and
+    every shard 0..num_shards-1 is held by a rank that wrote one."""
     digests, out = state_digests(run_dir)
     if not digests:
         return out + ["audit: no rank wrote a final state digest"]
@@ -189,13 +202,34 @@ def check_digests(run_dir: Path, max_steps: int, *, tp: int = 1, required=()) ->
     late = {r: d.get("next_step") for r, d in digests.items() if d.get("next_step") != max_steps}
     if late:
         out.append(f"audit: final digests not at step {max_steps}: {late}")
-    for shard in range(tp):
-        group = {r: d for r, d in digests.items() if r % tp == shard}
+    for position in range(replica_size):
+        group = {r: d for r, d in digests.items() if r % replica_size == position}
         for part in ("model", "optimizer"):
             values = {d.get(part) for d in group.values()}
             if len(values) > 1:
                 by = {r: str(d.get(part))[:12] for r, d in sorted(group.items())}
-                out.append(f"audit: replicas' {part} states differ (TP shard {shard}): {by}")
+                out.append(f"audit: replicas' {part} states differ (position {position}): {by}")
+        if num_shards:
+            out += _check_shards(group, position, num_shards)
+    return out
+
+
+def _check_shards(group: dict[int, dict], position: int, num_shards: int) -> list[str]:
+    """One position's ranks: the holders of each optimizer shard agree, and each is held."""
+    out = []
+    holders: dict[int, dict[int, str]] = {}
+    for rank, d in sorted(group.items()):
+        for shard, value in (d.get("shards") or {}).items():
+            holders.setdefault(int(shard), {})[rank] = value
+    for shard in range(num_shards):
+        held = holders.get(shard, {})
+        if not held and group:
+            out.append(f"audit: optimizer shard {shard} (position {position}) held by no rank")
+        elif len(set(held.values())) > 1:
+            by = {r: str(v)[:12] for r, v in held.items()}
+            out.append(
+                f"audit: holders of optimizer shard {shard} differ (position {position}): {by}"
+            )
     return out
 
 

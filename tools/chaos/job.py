@@ -43,6 +43,18 @@ ROLE = {
 }
 
 
+def layout_overrides(s: Schedule) -> list[str]:
+    """The trainer's config overrides of the schedule's layout (none for TP 1, PP 1)."""
+    out = []
+    if s.tp > 1:
+        out.append(f"parallel.tensor_model_parallel_size={s.tp}")
+    if s.pp > 1:
+        out.append(f"parallel.pipeline_model_parallel_size={s.pp}")
+    if s.dist_opt:
+        out.append("training.use_distributed_optimizer=true")
+    return out
+
+
 class Job:
     """One schedule's `mecefo-launch` agents, tagged, with its run dir and logs under `folder`."""
 
@@ -78,6 +90,7 @@ class Job:
             "training.micro_batch_size=4",
             f"snapshot.interval={s.snapshot_interval}",
             "recovery.wait_all_s=20",
+            *layout_overrides(s),
             *s.inject_args(),
         ]  # fmt: skip
 
@@ -91,6 +104,9 @@ class Job:
             endpoints = ",".join(self.etcd.start())
             self.address = etcd_store.address(self.etcd.endpoints, self.tag)
             store = ["--store", "etcd", "--etcd-endpoints", endpoints, "--job-id", self.tag]
+        spares = []  # default: the launcher's (a replica's ranks on the node restart warm)
+        if self.args.warm_spares is not None:
+            spares = ["--warm-spares", str(self.args.warm_spares)]
         for node in range(self.s.nodes):
             if self.etcd is not None:
                 where = store
@@ -104,7 +120,7 @@ class Job:
                 "--nnodes", str(self.s.nodes),
                 "--node-rank", str(node),
                 "--restart-delay-s", "0.5",
-                "--warm-spares", str(self.args.warm_spares),
+                *spares,
                 *where, "--", *self.trainer_args(),
             ]  # fmt: skip
             with open(self.folder / f"node{node}.log", "w") as log:

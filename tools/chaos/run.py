@@ -6,18 +6,23 @@ checked against the failover invariants.
     python tools/chaos/run.py --seed 1 --only 4 ...                   # reproduce schedule 4 alone
     python tools/chaos/run.py --seed 1 --schedules 12 --list          # print the schedules only
     python tools/chaos/run.py --seed 1 --schedules 8 --store etcd     # on a 3-member etcd
+    python tools/chaos/run.py --seed 1 --schedules 4 --pp 2           # replicas of 2 stages
+    python tools/chaos/run.py --seed 1 --schedules 4 --dist-opt       # sharded optimizer
 
 Each schedule (`tools/chaos/schedule.py`: kinds, awkward moments, acceptable exits)
 runs the tiny demo model on `--nodes` simulated nodes (one `mecefo-launch` agent each; node 0
 starts the coordinator, or with `--store etcd` the tool starts 3 etcd members per job and the
-agents elect one) with `failover.audit=true`. Faults are timed by job progress (the step
-from the coordinator store's job/step key and metrics.jsonl; "start" = the first generation has
-formed, before step 0). Every job carries a unique tag in its environment (and run-dir path);
-after it ends the tool checks (`tools/chaos/checks.py`): each step logged once, each
-(step, replica, micro-batch) committed once, replica digests equal, summary.json agreeing with
-events and metrics, exit codes acceptable for the schedule, no tagged process and no shared memory
-left. Every wait is bounded: a job past its time limit, or without a new step for --stall-s, is
-killed (every tagged process) and fails with "hang".
+agents elect one) with `failover.audit=true`, in the layout `--tp`/`--pp`/`--dist-opt` ask
+for (a replica is TP x PP consecutive ranks and fails over whole). Faults are timed by job
+progress (the step from the coordinator store's job/step key and metrics.jsonl; "start" = the
+first generation has formed, before step 0). Every job carries a unique tag in its environment
+(and run-dir path); after it ends the tool checks (`tools/chaos/checks.py`): each step logged
+once, each (step, replica, micro-batch) committed once (after a recovery or a rollback: once
+from the step the job went back to), final digests equal per (stage, TP rank) position and,
+with the distributed optimizer, each shard's holders equal, summary.json agreeing with events
+and metrics, exit codes acceptable for the schedule, no tagged process and no shared memory
+left. Every wait is bounded: a job past its time limit, or without a new step for --stall-s,
+is killed (every tagged process) and fails with "hang".
 
 Prints a line per schedule and a table; writes OUT/chaos.json (after every schedule). Exit 0 only
 if every schedule ended acceptably.
@@ -79,9 +84,29 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="tcp",
         help="control-plane store (etcd: the tool starts a 3-member etcd cluster per job)",
     )
+    p.add_argument("--tp", type=int, default=1, help="parallel.tensor_model_parallel_size")
+    p.add_argument(
+        "--pp",
+        type=int,
+        default=1,
+        help="parallel.pipeline_model_parallel_size (a replica is TP x PP ranks; the tiny "
+        "model's 2 layers allow 1 or 2)",
+    )
+    p.add_argument(
+        "--dist-opt",
+        action="store_true",
+        help="training.use_distributed_optimizer=true (each shard on 2 replicas; losing both "
+        "at once rolls back to the newest snapshot, or aborts without one)",
+    )
     p.add_argument("--out", default="", help="output folder (default runs/chaos-seed<S>)")
     p.add_argument("--demo-dir", default=str(ROOT / ".cache" / "demo_data"))
-    p.add_argument("--warm-spares", type=int, default=1, help="per agent (mecefo-launch)")
+    p.add_argument(
+        "--warm-spares",
+        type=int,
+        default=None,
+        help="per agent (mecefo-launch --warm-spares); default: the launcher's own (as many as "
+        "a replica has ranks on the node)",
+    )
     p.add_argument("--job-timeout-s", type=float, default=0, help="0: 180 + 3/step + 45/fault")
     p.add_argument("--stall-s", type=float, default=180, help="hang if no new step this long")
     p.add_argument("--list", action="store_true", help="print the schedules, run nothing")
@@ -91,6 +116,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         [int(i) for i in args.only.split(",") if i] if args.only else list(range(args.schedules))
     )
     args.out = Path(args.out or ROOT / "runs" / f"chaos-seed{args.seed}").resolve()
+    args.layout = dict(tp=args.tp, pp=args.pp, dist_opt=args.dist_opt)
     return args
 
 
@@ -348,23 +374,33 @@ def _run_dir_checks(job: Job, events: list[dict], finished: bool, notes: list[st
     layout = _layout(run_dir)
     if layout is None:
         return [f"{run_dir}/config.yaml is missing or unreadable (the job never started)"]
-    tp, micro = layout
-    rolled_back = any(e.get("type") == "recovery" for e in events)
+    replica_size, micro = layout
+    if replica_size != s.replica_size:
+        return [f"config.yaml has TP x PP = {replica_size}, the schedule {s.replica_size}"]
+    rolled_back = checks.went_back(events)
     out = checks.check_metrics(run_dir, s.max_steps, complete=finished)
     out += checks.check_audit(
         run_dir,
         s.max_steps,
-        s.world // tp,
+        s.num_replicas,
         micro,
         rolled_back=rolled_back,
         complete=finished,
         gaps=notes,
     )
     if finished:
+        # a failure event lists every rank of the lost replica (the failover unit)
         failed = {r for e in events if e.get("type") == "failure" for r in e.get("ranks") or []}
+        failed = {r for rep in {s.replica_of(r) for r in failed} for r in s.replica_ranks(rep)}
         orphaned = {r for n in job.killed_agents for r in s.ranks_of(n)}
         required = set(range(s.world)) - failed - orphaned
-        out += checks.check_digests(run_dir, s.max_steps, tp=tp, required=required)
+        out += checks.check_digests(
+            run_dir,
+            s.max_steps,
+            replica_size=s.replica_size,
+            required=required,
+            num_shards=s.num_replicas if s.dist_opt else 0,
+        )
     return out
 
 
@@ -385,7 +421,7 @@ def _shm_checks(job: Job, finished: bool) -> list[str]:
 def _shm_root(job: Job) -> Path | None:
     if not job.s.snapshot_interval:
         return None
-    from megatron_mecefo.snapshot.config import SnapshotConfig
+    from megatron_mecefo.config.snapshot import SnapshotConfig
     from megatron_mecefo.snapshot.paths import run_snapshot_root
 
     return run_snapshot_root(SnapshotConfig(), str(job.run_dir))
@@ -434,12 +470,14 @@ def _planned(described: str) -> int:
 
 
 def _layout(run_dir: Path) -> tuple[int, int] | None:
+    """(replica size TP x PP, micro-batches per replica) of the job's resolved config."""
     try:
         import yaml
 
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        par = cfg["parallel"]
         return (
-            int(cfg["parallel"]["tensor_model_parallel_size"]),
+            int(par["tensor_model_parallel_size"]) * int(par["pipeline_model_parallel_size"]),
             int(cfg["training"]["num_microbatches"]),
         )
     except (OSError, KeyError, TypeError, ValueError):
@@ -482,10 +520,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         plans = [
-            generate(args.seed, i, nodes=args.nodes, nproc=args.nproc,
-                     max_steps=args.max_steps, kinds=args.kinds, store=args.store)
+            generate(args.seed, i, nodes=args.nodes, nproc=args.nproc, max_steps=args.max_steps,
+                     kinds=args.kinds, store=args.store, **args.layout)
             for i in args.indices
         ]  # fmt: skip
+        _check_config(plans[0] if plans else None)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -511,6 +550,23 @@ def main(argv=None) -> int:
     print(f"{len(results) - len(bad)}/{len(results)} schedules ended acceptably; "
           f"results: {args.out / 'chaos.json'}")  # fmt: skip
     return 1 if bad else 0
+
+
+def _check_config(s: Schedule | None) -> None:
+    """The jobs' config loads (e.g. the model's layers split over --pp stages): one error line
+    now, not a failed job per schedule. Raises ValueError."""
+    if s is None:
+        return
+    from megatron_mecefo.config.loader import load_config
+    from megatron_mecefo.config.run import RunConfig
+    from tools.chaos.job import CONFIG, layout_overrides
+
+    try:
+        load_config(RunConfig, CONFIG, overrides=layout_overrides(s))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(
+            f"the jobs' config ({CONFIG.name} + the layout) is invalid: {exc}"
+        ) from None
 
 
 def _interrupt(signum, frame):

@@ -1,8 +1,9 @@
 """The chaos soak's pure parts: the schedule generator (reproducible, every kind and awkward moment
-reachable, acceptable exits per schedule) and each invariant check on hand-made run directories
-(a duplicated step, a missing micro-batch, unequal digests, a summary that disagrees with the
-events, an unacceptable exit code, a real leftover process, leftover shared memory). No job runs
-here; tests/e2e/test_chaos.py runs the tool."""
+reachable, acceptable exits per schedule, the pipeline and distributed-optimizer layouts) and
+each invariant check on hand-made run directories (a duplicated step, a missing micro-batch,
+unequal digests per (stage, TP rank) position, holders of an optimizer shard that disagree, a
+summary that disagrees with the events, an unacceptable exit code, a real leftover process,
+leftover shared memory). No job runs here; tests/e2e/test_chaos.py runs the tool."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ from tools.chaos.schedule import (
     PASSING_TODAY,
     Fault,
     Schedule,
+    check_layout,
     generate,
     possible_kinds,
     schedules,
+    shard_partners,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -102,11 +105,97 @@ def test_awkward_moments_are_drawn():
     assert "--inject kill:" in " ".join(a for p in plans for a in p.inject_args())
 
 
-def _schedule(faults, snapshot=0, nodes=1, nproc=2) -> Schedule:
+def _schedule(faults, snapshot=0, nodes=1, nproc=2, **layout) -> Schedule:
     return Schedule(
         seed=0, index=0, nodes=nodes, nproc=nproc, max_steps=30,
-        snapshot_interval=snapshot, faults=faults, kinds=KINDS,
+        snapshot_interval=snapshot, faults=faults, kinds=KINDS, **layout,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def test_layouts_must_split_into_whole_replicas():
+    check_layout(2, 2, pp=2)
+    check_layout(2, 4, tp=2, pp=2)
+    check_layout(4, 1, pp=2)  # a replica on whole nodes
+    with pytest.raises(ValueError, match="not divisible by TP x PP = 1 x 2"):
+        check_layout(3, 1, pp=2)
+    with pytest.raises(ValueError, match="straddle nodes"):
+        check_layout(3, 2, pp=3)  # 6 ranks = 2 replicas of 3, but each node holds 2
+    with pytest.raises(ValueError, match="not divisible"):
+        _schedule([], nodes=1, nproc=3, pp=2)
+    with pytest.raises(ValueError, match="at least 2 replicas"):
+        generate(0, 0, nodes=2, nproc=2, max_steps=40, kinds=KINDS, pp=4)
+
+
+def test_the_plain_layout_draws_what_it_drew_before_the_layouts_existed():
+    # drawn by the generator before --tp/--pp/--dist-opt existed: old seeds still reproduce
+    rank_faults = ("kill", "stop", "exception", "smp_kill")
+    before = [
+        (dict(seed=0, index=1, max_steps=30, kinds=rank_faults),  # the e2e rank-faults case
+         "stop r0@start 0.7s, smp_kill n1@15 snap=1"),
+        (dict(seed=101, index=5, max_steps=40, kinds=KINDS),  # README's soak
+         "coordinator_kill@start, coordinator_kill@3"),
+        (dict(seed=11, index=3, max_steps=40, kinds=KINDS, store="etcd"),
+         "cpu_hog@3 8.4s, smp_kill n1@7, agent_kill n1@22 snap=1 etcd"),
+    ]  # fmt: skip
+    for kw, drawn in before:
+        plain = generate(kw.pop("seed"), kw.pop("index"), nodes=2, nproc=2, **kw)
+        assert plain.describe() == drawn
+        assert "--pp" not in plain.repro() and "--dist-opt" not in plain.repro()
+
+
+def _rank_faults(p: Schedule):
+    return [f for f in p.faults if f.rank is not None and f.at == "step"]
+
+
+def test_pipeline_schedules_hit_whole_replicas():
+    plans = schedules(9, 300, kinds=("kill", "stop", "exception"), pp=2, **LAYOUT)
+    assert all(p.replica_size == 2 and p.num_replicas == 2 for p in plans)
+    assert plans[0].repro().endswith("--pp 2") and " pp=2" in plans[0].describe()
+    # both ranks of one replica (two stages) at one step: drawn, and one replica lost, not two
+    together = [p for p in plans if any("another rank of replica" in f.why for f in p.faults)]
+    assert together
+    for p in together:
+        f = next(f for f in p.faults if "another rank of replica" in f.why)
+        peers = [g for g in _rank_faults(p) if g is not f and g.step == f.step]
+        assert any(p.replica_of(g.rank) == p.replica_of(f.rank) != None for g in peers)  # noqa: E711
+    assert {f.rank % 2 for p in plans for f in p.faults if f.rank is not None} == {0, 1}
+    # one kill on each replica loses every replica: exit 8 without a snapshot (a TP 1 layout of
+    # 4 replicas would keep two)
+    two = [Fault(kind="kill", step=5, rank=1), Fault(kind="exception", step=5, rank=2)]
+    assert sorted(_schedule(two, nodes=2, pp=2).acceptable_exits()) == [0, 8]
+    assert sorted(_schedule(two, nodes=2).acceptable_exits()) == [0]
+    same = [Fault(kind="kill", step=5, rank=2), Fault(kind="exception", step=5, rank=3)]
+    assert sorted(_schedule(same, nodes=2, pp=2).acceptable_exits()) == [0]  # one replica
+
+
+def test_distributed_optimizer_schedules_draw_both_holders_of_a_shard():
+    # 2 nodes x 2 replicas: shard s on replica s and on the same place of the other node
+    assert shard_partners(0, num_replicas=4, replicas_per_node=2) == [2]
+    assert shard_partners(1, num_replicas=4, replicas_per_node=2) == [3]
+    assert shard_partners(1, num_replicas=4, replicas_per_node=4) == [0, 2]  # one node: a ring
+    plans = schedules(9, 300, kinds=("kill", "exception", "stop"), dist_opt=True, **LAYOUT)
+    assert plans[0].repro().endswith("--dist-opt") and plans[0].describe().endswith("dist-opt")
+    both = [p for p in plans if any("both holders" in f.why for f in p.faults)]
+    assert both
+    for p in both:
+        f = next(f for f in p.faults if "both holders" in f.why)
+        peers = {g.rank for g in _rank_faults(p) if g is not f and g.step == f.step}
+        assert any(r + 2 == f.rank or r - 2 == f.rank for r in peers), p.describe()
+    # snapshots more often than the plain layout's 30%: a rollback needs saved state
+    snap = sum(p.snapshot_interval > 0 for p in plans) / len(plans)
+    plain = schedules(9, 300, kinds=("kill", "exception", "stop"), **LAYOUT)
+    assert snap > sum(p.snapshot_interval > 0 for p in plain) / len(plain) + 0.1
+    # both holders lost at once, nothing saved: the job may abort (exit 8), never silently
+    kills = [Fault(kind="kill", step=5, rank=0), Fault(kind="kill", step=5, rank=2)]
+    assert sorted(_schedule(kills, nodes=2, dist_opt=True).acceptable_exits()) == [0, 8]
+    assert sorted(_schedule(kills, nodes=2).acceptable_exits()) == [0]  # replicated: survives
+    assert sorted(_schedule(kills, nodes=2, dist_opt=True, snapshot=1).acceptable_exits()) == [0]
+    # one node's loss alone never takes both copies (they are on different nodes)
+    node = [Fault(kind="node_loss", step=5, node=1)]
+    assert sorted(_schedule(node, nodes=2, dist_opt=True).acceptable_exits()) == [0]
 
 
 def test_acceptable_exits_follow_what_the_design_survives():
@@ -299,6 +388,10 @@ def test_rows_a_recovery_rolled_back_are_not_double_commits(tmp_path):
         _write_jsonl(path, rows[:5] + redo)
     assert any("more than once" in v for v in checks.check_audit(run, 6, 2, 2))
     assert checks.check_audit(run, 6, 2, 2, rolled_back=True) == []
+    # a rollback (both holders of an optimizer shard lost) goes back like a recovery does
+    assert checks.went_back([{"type": "rollback", "step": 3}])
+    assert checks.went_back([{"type": "recovery", "step": 3}])
+    assert not checks.went_back([{"type": "failure", "step": 3}, {"type": "rejoin", "step": 5}])
 
 
 def test_unequal_digests_and_a_missing_survivor_digest_are_reported(tmp_path):
@@ -314,6 +407,54 @@ def test_unequal_digests_and_a_missing_survivor_digest_are_reported(tmp_path):
     assert "rank(s) [1] never failed but wrote no final state digest" in v
     (v,) = checks.check_digests(run, 7, required={0})
     assert "not at step 7" in v
+
+
+def _digests(run: Path, rows: dict[int, dict]) -> None:
+    for path in (run / "audit").glob("state_rank*.json"):
+        path.unlink()
+    for rank, row in rows.items():
+        (run / "audit" / f"state_rank{rank}.json").write_text(json.dumps({"next_step": 6, **row}))
+
+
+def test_digests_are_compared_per_stage_and_tp_position(tmp_path):
+    run = _good_run(tmp_path)
+    # TP 1 x PP 2, 2 replicas: ranks 0 and 2 hold stage 0, ranks 1 and 3 stage 1
+    stage = {0: {"model": "s0", "optimizer": "o0"}, 1: {"model": "s1", "optimizer": "o1"}}
+    _digests(run, {r: stage[r % 2] for r in range(4)})
+    assert checks.check_digests(run, 6, replica_size=2, required=range(4)) == []
+    wrong = checks.check_digests(run, 6, replica_size=1, required=range(4))  # one group of 4
+    assert any("model states differ (position 0)" in v for v in wrong), wrong
+    _digests(run, {**{r: stage[r % 2] for r in range(4)}, 3: stage[0]})  # stage 1 of replica 1
+    found = checks.check_digests(run, 6, replica_size=2, required=range(4))
+    assert any("model states differ (position 1): {1: 's1', 3: 's0'}" in v for v in found), found
+    assert not any("(position 0)" in v for v in found), found
+    # TP 2 x PP 2: position = rank % 4, so ranks 1 and 5 must agree, 1 and 3 need not
+    rows = {r: {"model": f"p{r % 4}", "optimizer": "o"} for r in range(8)}
+    _digests(run, rows)
+    assert checks.check_digests(run, 6, replica_size=4, required=range(8)) == []
+    _digests(run, {**rows, 5: {"model": "p3", "optimizer": "o"}})
+    (v,) = checks.check_digests(run, 6, replica_size=4, required=range(8))
+    assert "(position 1)" in v
+
+
+def test_holders_of_an_optimizer_shard_must_agree_and_every_shard_be_held(tmp_path):
+    run = _good_run(tmp_path)
+    # 4 replicas of one rank, each shard on two of them
+    held = {0: {"0": "a", "3": "d"}, 1: {"1": "b", "0": "a"}, 2: {"2": "c", "1": "b"}}
+    held[3] = {"3": "d", "2": "c"}
+    rows = {r: {"model": "m", "optimizer": "o", "shards": held[r]} for r in range(4)}
+    _digests(run, rows)
+    assert checks.check_digests(run, 6, required=range(4), num_shards=4) == []
+    rows[2]["shards"] = {"2": "c", "1": "B"}  # replica 2's copy of shard 1 is not exact
+    _digests(run, rows)
+    (v,) = checks.check_digests(run, 6, required=range(4), num_shards=4)
+    assert "holders of optimizer shard 1 differ" in v
+    rows[2]["shards"] = {"1": "b"}
+    rows[3]["shards"] = {"3": "d"}  # shard 2 held by nobody
+    _digests(run, rows)
+    (v,) = checks.check_digests(run, 6, required=range(4), num_shards=4)
+    assert "optimizer shard 2 (position 0) held by no rank" in v
+    assert checks.check_digests(run, 6, required=range(4)) == []  # not a sharded run
 
 
 def test_a_summary_that_disagrees_with_events_or_metrics_is_reported(tmp_path):

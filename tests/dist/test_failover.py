@@ -215,9 +215,9 @@ def test_tp2_replica_losing_one_rank_rejoins_whole(tmp_path, demo_data_dir):
         steps=steps,
         inject=("kill:3:5:3",),
         overrides=("parallel.tensor_model_parallel_size=2", "mecefo.takeover_policy=spread"),
-        launch_args=("--warm-spares", "2"),
-    )
+    )  # default warm spares: both ranks of the replica restart warm
     assert_recovered(res, steps=steps, replicas=2, tp=2, min_rejoins=2)
     failures = [e for e in res.events() if e["type"] == "failure"]
-    assert {tuple(e["ranks"]) for e in failures} == {(2,), (3,)}  # the TP peer is evicted too
-    assert {e["dp_rank"] for e in failures} == {1}
+    # one failure of the replica, which leaves whole: the TP peer is evicted with it
+    assert [(e["dp_rank"], e["ranks"]) for e in failures] == [(1, [2, 3])], failures
+    assert failures[0]["detail"].startswith("rank 3: injected kill"), failures

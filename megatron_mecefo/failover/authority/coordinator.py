@@ -267,6 +267,29 @@ class Coordinator:
         self._begin_recovery(now, f"replicas {list(self.members)} roll back")
         return True
 
+    def _wait_for_recovery(self, added: tuple[int, ...], now: float, wait_all_s: float) -> bool:
+        """Whether the recovery generation must wait for more replicas: for all of them up to
+        `wait_all_s`, and for one whose agent shows its restarted ranks running (a cold start on
+        a loaded node) up to `start_timeout_s`: its saved state (a snapshot of optimizer shards
+        no one else holds) may be what the recovery needs."""
+        if len(added) == self.num_replicas:
+            return False
+        waited = now - self.recovering_since
+        if not added or waited < wait_all_s:
+            return True
+        if waited >= self.cfg.start_timeout_s:
+            return False
+        watch = self.detector.nodes
+        return any(
+            all(
+                watch.starting(r, self.ranks[r].evicted_incarnation, now)
+                or self.ranks[r].incarnation > self.ranks[r].evicted_incarnation
+                for r in self.replica_ranks(rep)
+            )
+            for rep in range(self.num_replicas)
+            if rep not in added
+        )
+
     def _decide(self, now: float) -> None:
         removed: tuple[int, ...] = ()
         recovery = self._recovery_settings()
@@ -279,8 +302,7 @@ class Coordinator:
                 removed = self.members
         added = tuple(rep for rep in range(self.num_replicas) if self._ready_to_join(rep, now))
         if self.recovering_since is not None and not removed:
-            waited = now - self.recovering_since
-            if len(added) < self.num_replicas and (not added or waited < recovery["wait_all_s"]):
+            if self._wait_for_recovery(added, now, recovery["wait_all_s"]):
                 return  # restart everyone together, so they resume from one state
         if not removed and not added:
             return

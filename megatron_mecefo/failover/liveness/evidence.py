@@ -106,6 +106,19 @@ class NodeWatch:
         entry = self.nodes[node].ranks.get(rank)
         return entry is None or entry.incarnation > incarnation or entry.state in GONE_STATES
 
+    def starting(self, rank: int, newer_than: int, now: float) -> bool:
+        """The agent's last report shows a live process of `rank` in an incarnation newer than
+        `newer_than` (restarted, not yet registered), and that agent is not lost."""
+        node = self.node_of.get(rank)
+        if node is None or self.lost(node, now) is not None:
+            return False
+        entry = self.nodes[node].ranks.get(rank)
+        return (
+            entry is not None
+            and entry.incarnation > newer_than
+            and (entry.state not in GONE_STATES)
+        )
+
     def verdict(
         self, rank: int, incarnation: int, now: float, *, silent_since: float = float("-inf")
     ) -> tuple[Verdict, str]:

@@ -4,12 +4,13 @@ by writing the keys a trainer and an agent write (registration, heartbeats, prog
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
 
 from megatron_mecefo.control import keys
-from megatron_mecefo.control.records import posted_events
+from megatron_mecefo.control.records import node_report, posted_events
 from megatron_mecefo.failover.authority.coordinator import Coordinator
 from megatron_mecefo.failover.liveness.detector import DetectorConfig
 
@@ -280,6 +281,27 @@ def test_recovery_goes_on_without_a_replica_that_does_not_come_back(store):
     time.sleep(0.3)
     run_ticks(c, store, beating=[1], seconds=0.1)
     assert members(store) == (2, [1])
+
+
+def test_recovery_waits_past_wait_all_s_for_ranks_their_agent_shows_starting(store):
+    """A rank whose agent reports its restarted process (a cold start on a loaded node) is
+    waited for past `wait_all_s`: its snapshot may hold shards no one else has."""
+    c = make(store, world=2)
+    _recovery(store, wait_all_s=0.2)
+    for r in range(2):
+        register(store, r, world=2)
+    c.tick()
+    keys.report_dead(store, 0, 0)
+    keys.report_dead(store, 1, 0)
+    c.tick()
+    register(store, 1, inc=1, world=2)
+    store.set(keys.node_key(0), node_report(1, {0: (1, os.getpid())}))  # rank 0 restarting
+    time.sleep(0.3)
+    run_ticks(c, store, beating=[1], seconds=0.3)
+    assert keys.get_int(store, keys.GEN) == 1  # still waiting for rank 0
+    register(store, 0, inc=1, world=2)
+    run_ticks(c, store, beating=[0, 1], seconds=0.3)
+    assert members(store) == (2, [0, 1])
 
 
 def test_restart_mode_evicts_every_replica_on_one_failure(store):

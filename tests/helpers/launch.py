@@ -137,7 +137,12 @@ def launch(
         *trainer_args(run_dir, demo_data_dir, steps, inject, overrides),
     ]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    log_path = tmp_path / f"{name}.log"
+    return _run_job(cmd, env, tmp_path / f"{name}.log", run_dir, timeout_s, while_running)
+
+
+def _run_job(cmd, env, log_path: Path, run_dir: Path, timeout_s: float, while_running):
+    """Start `cmd` in its own process group, run `while_running`, wait (bounded), kill the group
+    if it is still there, and collect the result."""
     start = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -152,7 +157,7 @@ def launch(
             rc = -9
         finally:
             if proc.poll() is None or rc == -9:
-                _kill_group(proc)
+                _kill_group(proc)  # what it started dies with its group
     output = log_path.read_text()
     if rc == -9:
         output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
@@ -318,31 +323,7 @@ def launch_script(
         "OMP_NUM_THREADS": "1",
         **env,
     }
-    log_path = tmp_path / f"{name}.log"
-    start = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        rc = None
-        try:
-            if while_running is not None:
-                while_running(proc, run_dir)
-            rc = proc.wait(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
-        except subprocess.TimeoutExpired:
-            rc = -9
-        finally:
-            if proc.poll() is None or rc == -9:
-                _kill_group(proc)  # the agents die with the script
-    output = log_path.read_text()
-    if rc == -9:
-        output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
-    return LaunchResult(rc, output, run_dir, time.monotonic() - start)
+    return _run_job(cmd, full_env, tmp_path / f"{name}.log", run_dir, timeout_s, while_running)
 
 
 def script_agent(proc: subprocess.Popen, node: int):

@@ -204,13 +204,19 @@ def test_head_node_lost_with_a_standby(tmp_path, demo_data_dir, cluster):
     )
     assert res.returncode == 0, res.explain()  # the job trained to its last step
     assert "(node exit codes: 137 0 0): exit 0" in res.output, res.explain()
-    assert [m["step"] for m in res.metrics()] == list(range(steps)), res.explain()
+    lost = [e for e in res.events() if e["type"] == "node_lost"]
+    assert [e["ranks"] for e in lost] == [[0, 1]], lost
+    logged = [m["step"] for m in res.metrics()]
+    # Known gap (docs/failover.md, "Metrics rows"): the leader, on the lost node, may die between
+    # a step's commit and its metrics row, and the replacement that leads next never ran that
+    # step, so that one row (just before the loss) is missing. Every other step is logged once.
+    gaps = sorted(set(range(steps)) - set(logged))
+    assert logged == sorted(set(logged)) and set(logged) <= set(range(steps)), logged
+    assert gaps in ([], [lost[0]["step"] - 1]), (gaps, lost[0]["step"], res.explain())
     assert res.summary()["failover"]["samples_lost"] == 0
     assert "taking over node 0: ranks [0, 1]" in res.output, res.explain()
     elected = re.findall(r"candidate (node\d(?:-standby)?)@\S+ elected", res.output)
     assert len(elected) >= 2 and elected[-1] not in ("node0", f"node{leader[0]}"), elected
-    lost = [e for e in res.events() if e["type"] == "node_lost"]
-    assert [e["ranks"] for e in lost] == [[0, 1]], lost
     assert "etcd lease expired" in lost[0]["detail"], lost  # the lease, not the report's age
     assert res.metrics()[-1]["replicas_alive"] == 4
     assert check_summary(res.run_dir) == []

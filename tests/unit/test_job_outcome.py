@@ -17,9 +17,12 @@ pytestmark = pytest.mark.timeout(60)
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "run" / "demo_cpu.yaml"
 
 
-def _summary(run_dir: Path, **fields) -> None:
+def _summary(run_dir: Path, *, last: int = 7, missing=(), **fields) -> None:
+    """A summary and the metrics rows of steps 0..`last` but `missing`."""
     run_dir.mkdir(exist_ok=True)
-    summary = {"start_step": 0, "steps": 8, "stopped_at": None, **fields}
+    summary = {"start_step": 0, "steps": last + 1 - len(missing), "stopped_at": None, **fields}
+    rows = [json.dumps({"step": s, "loss": 1.0}) for s in range(last + 1) if s not in missing]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     (run_dir / "summary.json").write_text(json.dumps(summary))
 
 
@@ -29,10 +32,15 @@ def test_only_a_summary_that_reached_the_last_step_since_the_launch_counts(tmp_p
     assert trained_to_last_step(tmp_path, 8)
     assert not trained_to_last_step(tmp_path, 9)  # --max-steps raised since
     assert not trained_to_last_step(tmp_path, 8, since_s=time.time() + 60)  # an earlier launch's
-    _summary(tmp_path, start_step=5, steps=3)  # a resumed launch: its own steps 5..7
+    _summary(tmp_path, start_step=5)  # a resumed launch: its own steps 5..7
     assert trained_to_last_step(tmp_path, 8)
-    _summary(tmp_path, stopped_at=4, steps=5)  # stopped on request
+    # a leader lost between a commit and its row: one row missing, the job still finished
+    _summary(tmp_path, missing=(6,))
+    assert trained_to_last_step(tmp_path, 8)
+    _summary(tmp_path, last=4, stopped_at=5)  # stopped on request
     assert not trained_to_last_step(tmp_path, 5)
+    _summary(tmp_path, last=6)  # a summary without the last step's row
+    assert not trained_to_last_step(tmp_path, 8)
     (tmp_path / "summary.json").write_text('{"steps": ')
     assert not trained_to_last_step(tmp_path, 8)
 

@@ -129,12 +129,9 @@ def generation_record(layout: Layout) -> str:
 
 
 def removed_replicas(record: str) -> list[int]:
-    """`GenerationRecord.from_json(record).removed`, without decoding all of the record (a
-    16k-rank record is ~200 KB; the trainers' own decode is local CPU, not control-plane load).
-    Reads the text `GenerationRecord.to_json` writes; the tests hold the two to agreement."""
-    start = record.index('"removed": [') + len('"removed": [')
-    body = record[start : record.index("]", start)]
-    return [int(x) for x in body.split(",") if x.strip()]
+    """The replicas generation `record` removed, decoded by its own type (`GenerationRecord`),
+    as a trainer decodes it: one schema, no second reader of its text."""
+    return GenerationRecord.from_json(record).removed
 
 
 SYNTHETIC_PID = 100000

@@ -145,14 +145,12 @@ def test_generation_record_is_what_the_coordinator_publishes(tmp_path):
 
 
 def test_removed_replicas_reads_what_the_record_type_writes():
-    records = [cp.generation_record(cp.Layout(16384, 8))]
+    assert model.removed_replicas(cp.generation_record(cp.Layout(16384, 8))) == []
     for removed in ([1], [1, 3], list(range(0, 2048, 7))):
         members = [r for r in range(2048) if r not in removed]
         incarnations = {str(r): 1 for r in range(64)}
         rec = GenerationRecord(members, removed, [5], "failure", 8, 1.5, 1.0, 9, incarnations)
-        records.append(rec.to_json())
-    for raw in records:
-        assert model.removed_replicas(raw) == GenerationRecord.from_json(raw).removed
+        assert model.removed_replicas(rec.to_json()) == removed
 
 
 def test_node_reports_in_both_formats():

@@ -216,7 +216,9 @@ def test_head_node_lost_with_a_standby(tmp_path, demo_data_dir, cluster):
     assert res.summary()["failover"]["samples_lost"] == 0
     assert "taking over node 0: ranks [0, 1]" in res.output, res.explain()
     elected = re.findall(r"candidate (node\d(?:-standby)?)@\S+ elected", res.output)
-    assert len(elected) >= 2 and elected[-1] not in ("node0", f"node{leader[0]}"), elected
+    # re-elected after the loss; the killed leader's agent restarts its candidate under the same
+    # id, which may win again: only node 0 (lost) may not lead
+    assert len(elected) >= 2 and elected[-1] != "node0", elected
     assert "etcd lease expired" in lost[0]["detail"], lost  # the lease, not the report's age
     assert res.metrics()[-1]["replicas_alive"] == 4
     assert check_summary(res.run_dir) == []

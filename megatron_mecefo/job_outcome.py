@@ -19,6 +19,7 @@ from pathlib import Path
 
 from megatron_mecefo.config.cli import load_run_config, parse_args
 from megatron_mecefo.errors import MecefoError
+from megatron_mecefo.metrics.logger import last_logged_step
 
 
 def trained_to_last_step(run_dir: Path, max_steps: int, since_s: float = 0.0) -> bool:
@@ -33,23 +34,9 @@ def trained_to_last_step(run_dir: Path, max_steps: int, since_s: float = 0.0) ->
         return False
     if not isinstance(summary, dict) or summary.get("stopped_at") is not None:
         return False
-    return _last_logged_step(Path(run_dir) / "metrics.jsonl") == max_steps - 1
-
-
-def _last_logged_step(path: Path) -> int:
-    """The highest step in metrics.jsonl (-1: none). Not a count of rows: a leader that dies
-    between a step's commit and its row leaves that one row out (docs/failover.md)."""
-    last = -1
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return last
-    for line in lines:
-        try:
-            last = max(last, int(json.loads(line).get("step", -1)))
-        except (ValueError, AttributeError, TypeError):
-            continue
-    return last
+    # the last step logged, not a row count: a leader lost between a commit and its row leaves
+    # that one row out (docs/failover.md, "Metrics rows")
+    return last_logged_step(Path(run_dir) / "metrics.jsonl") == max_steps - 1
 
 
 def main(argv: list[str] | None = None) -> int:

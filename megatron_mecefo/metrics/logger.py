@@ -126,7 +126,7 @@ class MetricsLogger:
         it: the leader that died after the step committed never logged it."""
         if not held["step"] < step or held["step"] % self.cfg.log_interval:
             return
-        if _last_logged_step(self.run_dir / "metrics.jsonl") < held["step"]:
+        if last_logged_step(self.run_dir / "metrics.jsonl") < held["step"]:
             for sink in self._sinks:
                 sink.write(held)
 
@@ -189,8 +189,9 @@ def memory_in_use() -> str:
     return f"{rss_kib / 2**20:.1f} GiB rss"
 
 
-def _last_logged_step(path: Path) -> int:
-    """The step of the last complete row of a metrics file (-1 if none)."""
+def last_logged_step(path: Path) -> int:
+    """The step of the last complete row of a metrics file (-1 if none); rows are appended in
+    step order, so it is the highest step logged."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, 2)

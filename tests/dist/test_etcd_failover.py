@@ -29,21 +29,13 @@ from megatron_mecefo.metrics.summary import check_summary
 from tests.dist.test_failover import assert_recovered
 from tests.dist.test_spares import _kill_node
 from tests.helpers.etcd import cluster, needs_etcd  # noqa: F401 - a fixture
-from tests.helpers.launch import launch, launch_script, script_agent
+from tests.helpers.launch import launch, launch_script, script_agent, wait_for_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), needs_etcd]
 
 
 def _etcd_args(cluster, job: str) -> tuple[str, ...]:
     return ("--store", "etcd", "--etcd-endpoints", ",".join(cluster.endpoints), "--job-id", job)
-
-
-def _wait_step(run_dir, step: int, limit_s: float = 180) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + limit_s
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) > step):
-        assert time.monotonic() < deadline, f"the job never reached step {step}"
-        time.sleep(0.05)
 
 
 def _leader_pid(cluster, job: str) -> int:
@@ -64,7 +56,7 @@ def test_etcd_leader_killed_mid_run(tmp_path, demo_data_dir, cluster):
     killed = []
 
     def kill_etcd_leader(proc, run_dir):
-        _wait_step(run_dir, 4)
+        wait_for_steps(run_dir, 5)
         leader = cluster.leader()
         cluster.kill(leader)
         killed.append(leader)
@@ -89,7 +81,7 @@ def test_coordinator_killed_twice(tmp_path, demo_data_dir, cluster):
     def kill_coordinator_twice(proc, run_dir):
         log = run_dir.parent / "run.log"
         for n, step in enumerate((3, 8)):
-            _wait_step(run_dir, step)
+            wait_for_steps(run_dir, step + 1)
             deadline = time.monotonic() + 60  # the n-th election is over: kill that leader
             while log.read_text().count(" elected (") <= n:
                 assert time.monotonic() < deadline, f"no election {n + 1}"
@@ -180,7 +172,7 @@ def test_head_node_lost_with_a_standby(tmp_path, demo_data_dir, cluster):
     leader = []
 
     def lose_head_node(proc, run_dir):
-        _wait_step(run_dir, 5)
+        wait_for_steps(run_dir, 6)
         store = EtcdStore(address(cluster.endpoints, job), 5.0)
         leader.append(CandidateId.parse(store.get(keys.COORD_LEADER).decode()).node)
         if leader[0] != 0:  # the coordinator is lost too, elsewhere: only its candidate
@@ -230,7 +222,7 @@ def test_quorum_lost_stops_cleanly_then_resumes(tmp_path, demo_data_dir, cluster
     down = {}
 
     def lose_quorum(proc, run_dir):
-        _wait_step(run_dir, 9)
+        wait_for_steps(run_dir, 10)
         leader = cluster.leader()
         other = (leader + 1) % 3
         cluster.kill(leader)

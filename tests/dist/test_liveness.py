@@ -12,7 +12,8 @@ import time
 import pytest
 
 from tests.dist.test_failover import SPREAD_STEPS, assert_recovered
-from tests.helpers.launch import launch
+from megatron_mecefo.errors import ExitCode
+from tests.helpers.launch import launch, logged_steps, wait_for_steps
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -27,14 +28,6 @@ def _children(proc, needle: str):
     ]
 
 
-def _wait_for_steps(proc, run_dir, n: int, limit_s: float = 180) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + limit_s
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
-        assert proc.poll() is None and time.monotonic() < deadline, "the job never got there"
-        time.sleep(0.1)
-
-
 def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path, demo_data_dir):
     """Kill the membership coordinator at step ~4; a rank is killed later (step 10): the restarted
     coordinator detects it, removes and re-admits it. Every invariant of a normal failover holds."""
@@ -42,7 +35,7 @@ def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path
     killed = {}
 
     def kill_coordinator(proc, run_dir):
-        _wait_for_steps(proc, run_dir, 4)
+        wait_for_steps(run_dir, 4, proc=proc)
         coords = _children(proc, "megatron_mecefo.failover.authority.coordinator_cli")
         assert len(coords) == 1, coords
         killed["pid"] = coords[0].pid
@@ -138,7 +131,7 @@ def test_losing_the_store_ends_every_rank_cleanly(tmp_path, demo_data_dir):
     killed_at = {}
 
     def kill_store(proc, run_dir):
-        _wait_for_steps(proc, run_dir, 3)
+        wait_for_steps(run_dir, 3, proc=proc)
         hosts = _children(proc, "megatron_mecefo.failover.authority.store_host")
         assert len(hosts) == 1
         os.kill(hosts[0].pid, signal.SIGKILL)
@@ -162,7 +155,7 @@ def test_zombie_replica_is_fenced_and_rejoins(tmp_path, demo_data_dir):
     steps = 90
 
     def zombie(proc, run_dir):
-        _wait_for_steps(proc, run_dir, 4)
+        wait_for_steps(run_dir, 4, proc=proc)
         rank2 = _trainer(proc, 2)
         agent = proc.pid  # launch() runs mecefo-launch itself
         os.kill(agent, signal.SIGSTOP)
@@ -232,10 +225,10 @@ def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_pa
     from megatron_mecefo.control import keys
     from megatron_mecefo.control.keys import node_key
 
-    steps, seen = 40, {}
+    steps, seen = 400, {}  # a bound: the job is stopped (SIGUSR1) once the pause is over
 
     def pause_agent(proc, run_dir):
-        _wait_for_steps(proc, run_dir, 3)
+        wait_for_steps(run_dir, 3, proc=proc)
         store = keys.connect(_trainer(proc, 0).environ()[keys.COORDINATOR_ENV], 5.0)
         seen["hb_before"] = [int(store.get(keys.heartbeat(r))) for r in (0, 1)]
         seen["report"] = json.loads(store.get(node_key(0)))["ranks"]
@@ -243,16 +236,20 @@ def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_pa
         time.sleep(4.0)
         seen["hb_paused"] = [int(store.get(keys.heartbeat(r))) for r in (0, 1)]
         os.kill(proc.pid, signal.SIGCONT)
+        wait_for_steps(run_dir, logged_steps(run_dir) + 3, proc=proc)
+        proc.send_signal(signal.SIGUSR1)
 
     res = launch(tmp_path, demo_data_dir, nproc=2, steps=steps, while_running=pause_agent)
-    assert res.returncode == 0, res.explain()
+    assert res.returncode == ExitCode.PREEMPTED, res.explain()
     assert seen["hb_before"] == [1, 1], seen  # no beat went to the store while the agent ran
     assert all(len(e) == 6 and e[4] > 1 for e in seen["report"].values()), seen["report"]
     # beats reached the store while the agent was stopped (the key starts at 1); how many depends
-    # on how often a busy 2-core machine runs the heartbeat thread (4-17 seen in 4 s)
+    # on how often a busy 2-core machine runs the heartbeat thread (4-17 seen in 4 s; a job of
+    # 40 steps once ended during the pause, hence the stop on request)
     assert min(seen["hb_paused"]) >= 3, seen
     assert "failure" not in res.event_types(), res.events()
-    assert [m["step"] for m in res.metrics()] == list(range(steps))
+    ran = [m["step"] for m in res.metrics()]
+    assert ran == list(range(len(ran))) and len(ran) < steps, res.explain()
 
 
 def test_a_removed_beat_folder_is_recreated_and_the_job_completes(tmp_path, demo_data_dir):
@@ -271,7 +268,7 @@ def test_a_removed_beat_folder_is_recreated_and_the_job_completes(tmp_path, demo
         folder = Path(_trainer(proc, 0).environ()[local_beat.BEAT_DIR_ENV])
         seen["folder"] = folder
         for step in (3, 6):
-            _wait_for_steps(proc, run_dir, step)
+            wait_for_steps(run_dir, step, proc=proc)
             shutil.rmtree(folder, ignore_errors=True)  # a beat written meanwhile may stay
             deadline = time.monotonic() + 30
             while not (folder / local_beat.CONTROL).exists():  # recreated, control rewritten

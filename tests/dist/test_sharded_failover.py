@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 
 from tests.dist.test_failover import assert_recovered
 from tests.dist.test_spares import _kill_node
-from tests.helpers.launch import launch, launch_nodes
+from tests.helpers.launch import launch, launch_nodes, stop_after_event, wait_for_steps
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -178,22 +177,20 @@ def test_both_copies_lost_rolls_back_to_snapshots(tmp_path, demo_data_dir, refer
     _assert_rolled_back(res, reference, "from this node's shared-memory snapshot")
 
 
-def _after_steps(run_dir: Path, n: int) -> None:
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
-        assert time.monotonic() < deadline, "the job never started"
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("standby", [1, 0], ids=["standby", "no-standby"])
 def test_node_loss(tmp_path, demo_data_dir, reference, standby):
-    """Two nodes of two replicas: copies sit on the other node, so losing a node loses none."""
-    steps = STEPS
+    """Two nodes of two replicas: copies sit on the other node, so losing a node loses none.
+    With a standby the job is stopped (SIGUSR1) a few steps after the standby's ranks are back:
+    its length is a bound, never reached (an idle machine ran the 40 steps before the standby
+    was given the node, 5 s after the loss); the data order and learning rate are the
+    reference's (`lr_decay_steps`, one epoch of the corpus either way)."""
+    steps = 400 if standby else STEPS
 
     def lose_node1(procs, run_dir):
-        _after_steps(run_dir, 4)
+        wait_for_steps(run_dir, 4)
         _kill_node(procs[1])
+        if standby:
+            stop_after_event(procs[0], run_dir, "node_replaced")
 
     res = launch_nodes(
         tmp_path,
@@ -203,18 +200,20 @@ def test_node_loss(tmp_path, demo_data_dir, reference, standby):
         standby=standby,
         steps=steps,
         while_running=lose_node1,
-        overrides=SHARDED,
+        overrides=(*SHARDED, f"training.lr_decay_steps={STEPS}"),
     )
-    assert res.node_codes[0] == 0 and res.node_codes[1] == -signal.SIGKILL, res.explain()
+    assert res.node_codes[1] == -signal.SIGKILL, res.explain()
     res.returncode = res.node_codes[0]
     if standby:
-        assert_recovered(res, steps=steps, min_failures=2, min_rejoins=2)
+        assert_recovered(res, steps=None, min_failures=2, min_rejoins=2)
         assert res.metrics()[-1]["replicas_alive"] == 4
+        steps = len(res.metrics())
     else:
+        assert res.returncode == 0, res.explain()
         assert [m["step"] for m in res.metrics()] == list(range(steps)), res.explain()
         assert res.summary()["failover"]["samples_lost"] == 0
         assert res.metrics()[-1]["replicas_alive"] == 2
-    assert_same_curve(res, reference, steps)
+    assert_same_curve(res, reference, min(steps, STEPS))
     got = shard_rows(res.run_dir)
     for (step, _, shard), rows in got.items():
         assert len({d for _, d in rows}) == 1, (step, shard, rows)

@@ -164,6 +164,45 @@ def _run_job(cmd, env, log_path: Path, run_dir: Path, timeout_s: float, while_ru
     return LaunchResult(rc, output, run_dir, time.monotonic() - start)
 
 
+def logged_steps(run_dir: Path) -> int:
+    """How many rows `metrics.jsonl` holds now."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def wait_for_steps(run_dir: Path, n: int, *, proc=None, limit_s: float = 180) -> None:
+    """Until `metrics.jsonl` holds `n` rows (bounded; fails at once if `proc` exited)."""
+    deadline = time.monotonic() + limit_s
+    while logged_steps(run_dir) < n:
+        assert proc is None or proc.poll() is None, f"the job exited before {n} step(s)"
+        assert time.monotonic() < deadline, f"the job never logged {n} step(s)"
+        time.sleep(0.05)
+
+
+def wait_for_event(run_dir: Path, kind: str, *, limit_s: float = 180) -> dict:
+    """The first `kind` event of `events.jsonl`, once written (bounded)."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        path = run_dir / "events.jsonl"
+        text = path.read_text() if path.exists() else ""
+        for line in text[: text.rfind("\n") + 1].splitlines():  # whole lines only
+            event = json.loads(line)
+            if event.get("type") == kind:
+                return event
+        assert time.monotonic() < deadline, f"no {kind!r} event in {limit_s:.0f} s"
+        time.sleep(0.1)
+
+
+def stop_after_event(proc, run_dir: Path, kind: str, *, more_steps: int = 3) -> None:
+    """Once a `kind` event is written and `more_steps` further steps are logged, ask the job to
+    stop (SIGUSR1 to `proc`, a launcher: every rank checkpoints and stops at one step, exit
+    PREEMPTED). A job whose step count is only a bound ends when what it tests has happened,
+    however fast or slow the machine is."""
+    wait_for_event(run_dir, kind)
+    wait_for_steps(run_dir, logged_steps(run_dir) + more_steps, proc=proc)
+    proc.send_signal(signal.SIGUSR1)
+
+
 def _no_spares_if_undisturbed(launch_args, inject, while_running) -> tuple[str, ...]:
     if inject or while_running is not None or "--warm-spares" in launch_args:
         return ()

@@ -68,6 +68,14 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--demo-dir", default=".cache/demo_data", help="embedded demo corpus location")
     p.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run-config overrides for every engine, e.g. mecefo.recompute_ffn=true (so that the "
+        "recompute technique can be calibrated)",
+    )
+    p.add_argument(
         "--calibration",
         default=None,
         help="degraded.json of an earlier run whose cost model the planner uses (default: "
@@ -156,7 +164,7 @@ class EngineRank:
     def __init__(self, name: str, args, ctx, hooked: bool = True, overrides: tuple = ()):
         from bench_engine import build_bench_engine
 
-        overrides = [f"mecefo.enabled={str(hooked).lower()}", *overrides]
+        overrides = [f"mecefo.enabled={str(hooked).lower()}", *args.set, *overrides]
         if args.num_layers:
             overrides.append(f"model.num_layers={args.num_layers}")
         self.engine = build_bench_engine(

@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--e2e-steps", type=int, default=20, help="steps of each end-to-end job")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end recovery jobs")
+    p.add_argument(
+        "--no-restore", action="store_true", help="skip the restore times (shm, parity, disk)"
+    )
     p.add_argument("--quick", action="store_true", help="fewer steps/rounds, tiny model only")
     p.add_argument("--out", default=str(ROOT / "bench_out" / "recovery.json"))
     return p.parse_args()
@@ -371,7 +374,10 @@ def main() -> int:
             engine = _engine(ctx, model, str(demo), shm)
             res = {"overhead": overhead(engine, shm / model, args, say)}
             res["copy"] = copy_bandwidth(engine, shm / model)
-            res["restore"] = restore_times(engine, shm / f"{model}-r", work / f"{model}-ckpt", say)
+            if not args.no_restore:
+                res["restore"] = restore_times(
+                    engine, shm / f"{model}-r", work / f"{model}-ckpt", say
+                )
             out["models"][model] = res
             _print_model(model, res)
         if not args.no_e2e:
@@ -424,7 +430,9 @@ def _print_model(model: str, res: dict) -> None:
         f"shm {c['memcpy_shm_gbps']:.2f} GB/s ({100 * c['snapshot_vs_memcpy_shm']:.0f}%), to DRAM "
         f"{c['memcpy_dram_gbps']:.2f} GB/s"
     )
-    r = res["restore"]
+    r = res.get("restore")
+    if r is None:
+        return
     print(
         f"restore {r['state_mb']:.1f} MB: shared memory {1000 * r['shm_s']:.0f} ms, parity "
         f"rebuild {1000 * r['parity_rebuild_s']:.0f} ms "

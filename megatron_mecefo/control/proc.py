@@ -15,6 +15,7 @@ from collections.abc import MutableMapping
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+_PR_SET_CHILD_SUBREAPER = 36
 
 FORK_NAME = "mecefo-fork"
 """`/proc/PID/comm` of a process forked by one that called `forks_die_with_parent` (a trainer's
@@ -84,6 +85,28 @@ def forks_die_with_parent() -> None:
         _prctl(_PR_SET_NAME, ctypes.c_char_p(FORK_NAME.encode()))  # a name of <= 15 bytes
 
     os.register_at_fork(before=note_parent, after_in_child=bind_child)
+
+
+def set_child_subreaper(on: bool) -> None:
+    """While on, orphans among this process's descendants become its children (Linux): a
+    trainer forked by the fork server through a parent that exits at once is re-parented here,
+    so this process waits for it and reads its exit code like any child's."""
+    _prctl(_PR_SET_CHILD_SUBREAPER, int(on))
+
+
+def set_cmdline(argv: list[str]) -> None:
+    """Show `argv` as this process's command line (`/proc/PID/cmdline`, `ps`, psutil) by
+    rewriting the argument area the kernel gave it at exec, truncated to that area's length.
+    A trainer forked from the fork server shows its own command, not the server's."""
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().decode(errors="replace").rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end (stat fields 48, 49)
+    except (OSError, IndexError, ValueError):
+        return
+    room = end - start - 1  # the last byte stays NUL
+    data = "\0".join(argv).encode(errors="replace")[:room]
+    ctypes.memmove(start, data.ljust(room + 1, b"\0"), room + 1)
 
 
 def _prctl(option: int, arg) -> None:

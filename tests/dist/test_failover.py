@@ -162,7 +162,9 @@ def test_exception_then_two_simultaneous_kills_hybrid(tmp_path, demo_data_dir):
         steps=steps,
         inject=("exception:3:3:2", "kill:1:9:3", "kill:2:9:3"),
         overrides=("mecefo.takeover_policy=hybrid",),
-        launch_args=("--warm-spares", "3"),  # three restarts, two of them at once
+        # ranks as new processes, restarted from warm spares (the fork server's fallback):
+        # three restarts, two of them at once
+        launch_args=("--start-method", "exec", "--warm-spares", "3"),
     )
     fo = assert_recovered(res, steps=steps, min_failures=3, min_rejoins=3)
     assert fo["steps_degraded"] > 0

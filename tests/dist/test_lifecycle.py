@@ -99,10 +99,10 @@ def _stop_a_checkpoint_writer(mark: bytes, proc, trainer: str, limit_s: float = 
 def test_killing_the_launcher_leaves_no_process_behind(tmp_path, demo_data_dir, monkeypatch, sig):
     """SIGKILL or SIGTERM to mecefo-launch mid-save (async checkpoints every 2 steps; a forked
     writer is held stopped): within a bound no process of the job is left, whatever it was
-    (store host, coordinator, trainers, warm spare, forked writers, megatron's spawned queue
+    (store host, coordinator, fork server, trainers, forked writers, megatron's spawned queue
     process), and no trainer prints a traceback or C++ frames. With SIGKILL the agent cannot
-    clean up: rank 0 is killed first and restarted in the warm spare, so a trainer that began
-    as a spare is saving too when the launcher dies."""
+    clean up: rank 0 is killed first and restarted from the fork server (re-parented to the
+    agent), so a restarted trainer is saving when the launcher dies."""
     mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
     monkeypatch.setenv(*mark.split("="))
     mark = mark.encode()
@@ -112,10 +112,8 @@ def test_killing_the_launcher_leaves_no_process_behind(tmp_path, demo_data_dir, 
     # would stop by themselves on losing the store (failover.coordinator_timeout_s = 5 s);
     # SIGTERM: the agent stops its children's groups (waiting <= 10 s), then the store host
     bound_s = 3.0 if sig == signal.SIGKILL else 20.0
-    spare = "megatron_mecefo.warm_spare"
-
     def signal_mid_save(proc, run_dir):
-        writer = _stop_a_checkpoint_writer(mark, proc, spare if sig == signal.SIGKILL else "")
+        writer = _stop_a_checkpoint_writer(mark, proc, "megatron_mecefo.train")
         seen.update(job_processes(mark))
         log_at_signal.append(len((tmp_path / "run.log").read_bytes()))
         os.kill(proc.pid, sig)

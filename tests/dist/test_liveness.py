@@ -13,25 +13,30 @@ import pytest
 
 from tests.dist.test_failover import SPREAD_STEPS, assert_recovered
 from megatron_mecefo.errors import ExitCode
-from tests.helpers.launch import launch, logged_steps, wait_for_steps
+from tests.helpers.launch import launch, logged_steps, stop_after_event, wait_for_steps
 
 pytestmark = pytest.mark.timeout(400)
 
 
 def _children(proc, needle: str):
+    """Live processes under `proc` whose command line holds `needle` (zombies skipped)."""
     import psutil
 
-    return [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if needle in " ".join(p.cmdline())
-    ]
+    found = []
+    for p in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            if needle in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # exited, or a zombie not yet reaped
+            continue
+    return found
 
 
 def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path, demo_data_dir):
     """Kill the membership coordinator at step ~4; a rank is killed later (step 10): the restarted
-    coordinator detects it, removes and re-admits it. Every invariant of a normal failover holds."""
-    steps = 32
+    coordinator detects it, removes and re-admits it. Every invariant of a normal failover holds.
+    The job is stopped (SIGUSR1) three steps after the rejoin: its step count is only a bound."""
+    steps = 400
     killed = {}
 
     def kill_coordinator(proc, run_dir):
@@ -40,6 +45,7 @@ def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path
         assert len(coords) == 1, coords
         killed["pid"] = coords[0].pid
         os.kill(coords[0].pid, signal.SIGKILL)
+        stop_after_event(proc, run_dir, "rejoin")
 
     res = launch(
         tmp_path,
@@ -49,10 +55,9 @@ def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path
         inject=("kill:2:10:2",),
         while_running=kill_coordinator,
     )
-    assert res.returncode == 0, res.explain()
     assert "membership coordinator died (signal SIGKILL); restarting it" in res.output
     assert "[coordinator] restored (epoch 2)" in res.output
-    assert_recovered(res, steps=steps, replicas=3, world=3, min_rejoins=1)
+    assert_recovered(res, steps=None, replicas=3, world=3, min_rejoins=1)
     types = res.event_types()
     assert types.count("coordinator_restart") == 1
     failures = [e for e in res.events() if e["type"] == "failure"]
@@ -62,16 +67,31 @@ def test_coordinator_sigkill_mid_run_is_restarted_and_the_job_completes(tmp_path
 
 
 def _trainer(proc, rank: int, incarnation: int = 0, limit_s: float = 120):
-    """psutil.Process of a running trainer rank (a warm spare that took the order counts)."""
+    """psutil.Process of a running trainer rank of node 0, by the pid its agent reports (a
+    trainer forked by the fork server has the server's environment in /proc, not its own)."""
+    import json
+
+    import psutil
+
+    from megatron_mecefo.control import keys
+    from megatron_mecefo.control.keys import node_key
+
     deadline = time.monotonic() + limit_s
+    store = None
     while time.monotonic() < deadline:
-        for p in _children(proc, "megatron_mecefo"):
-            try:
-                env = p.environ()
-            except Exception:  # noqa: BLE001 - exited meanwhile
-                continue
-            if env.get("RANK") == str(rank) and env.get("MECEFO_INCARNATION") == str(incarnation):
-                return p
+        if store is None:
+            for p in _children(proc, "megatron_mecefo"):
+                try:
+                    address = p.environ().get(keys.COORDINATOR_ENV)
+                except psutil.Error:  # exited meanwhile
+                    continue
+                if address:
+                    store = keys.connect(address, 5.0)
+                    break
+        if store is not None and store.check([node_key(0)]):
+            entry = json.loads(store.get(node_key(0)))["ranks"].get(str(rank))
+            if entry is not None and entry[0] == incarnation and psutil.pid_exists(entry[1]):
+                return psutil.Process(entry[1])
         time.sleep(0.05)
     raise AssertionError(f"rank {rank} incarnation {incarnation} never started")
 
@@ -230,8 +250,13 @@ def test_heartbeats_go_through_the_agent_and_a_paused_agent_kills_no_rank(tmp_pa
     def pause_agent(proc, run_dir):
         wait_for_steps(run_dir, 3, proc=proc)
         store = keys.connect(_trainer(proc, 0).environ()[keys.COORDINATOR_ENV], 5.0)
+        deadline = time.monotonic() + 30
+        while True:  # a few beats in (a forked rank may log 3 steps within its first beats)
+            seen["report"] = json.loads(store.get(node_key(0)))["ranks"]
+            if min(e[4] for e in seen["report"].values()) > 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         seen["hb_before"] = [int(store.get(keys.heartbeat(r))) for r in (0, 1)]
-        seen["report"] = json.loads(store.get(node_key(0)))["ranks"]
         os.kill(proc.pid, signal.SIGSTOP)  # launch() runs mecefo-launch itself
         time.sleep(4.0)
         seen["hb_paused"] = [int(store.get(keys.heartbeat(r))) for r in (0, 1)]

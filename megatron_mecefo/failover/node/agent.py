@@ -28,6 +28,7 @@ from megatron_mecefo.control.records import node_report, read_registration
 from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.failover.liveness import gpu_health
 from megatron_mecefo.failover.node import restart_policy
+from megatron_mecefo.failover.node.fork_server import ForkServer
 from megatron_mecefo.failover.node.node_lease import NodeLease, check_fresh_launch, uses_leases
 from megatron_mecefo.failover.node.snapshot_process import (
     snapshot_process_command,
@@ -35,6 +36,10 @@ from megatron_mecefo.failover.node.snapshot_process import (
 )
 from megatron_mecefo.metrics import rank_log
 from megatron_mecefo.snapshot.paths import NODE_DIR_ENV, SMP_ENV
+
+FORK_SERVER_READY_S = 180.0
+"""How long a node's first start waits for its fork server to import (a rank started as a new
+process instead would import just as long, beside the others)."""
 
 
 class Agent:
@@ -54,6 +59,7 @@ class Agent:
         self.finished: set[int] = set()
         self.store = keys.connect(address, 10.0)
         self.spares: list[subprocess.Popen] = []
+        self.fork_server: ForkServer | None = None  # --start-method fork
         self.evicted: set[int] = set()  # ranks whose current incarnation was evicted
         self.stop_reason: str | None = None  # set by SIGUSR1; posted to the store once
         self.smp: subprocess.Popen | None = None
@@ -111,10 +117,10 @@ class Agent:
             seen.append(reg.incarnation)
         return max(seen) + 1
 
-    def _start_node(self) -> None:
+    def _start_node(self, *, wait_s: float = 0.0) -> None:
         self._start_smp()
         for rank in self.ranks:
-            self.spawn(rank)
+            self.spawn(rank, wait_s=wait_s)
         self._top_up_spares()
 
     def _rank_env(self, rank: int) -> dict[str, str]:
@@ -134,9 +140,39 @@ class Agent:
             ),
         }
 
-    def spawn(self, rank: int) -> None:
-        """Start `rank`: hand it to a warm spare if one is alive, else a fresh process."""
+    def _trainer_env(self) -> dict[str, str]:
+        """The fork server's environment: the node-wide part of a rank's (`_rank_env`)."""
+        env = {**os.environ, keys.COORDINATOR_ENV: self.address}
+        if self.beat_dir is not None:
+            env[local_beat.BEAT_DIR_ENV] = str(self.beat_dir)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _renew_lease(self) -> None:
+        if self.lease is not None:
+            self.lease.renew()
+
+    def _start_fork_server(self) -> None:
+        if getattr(self.args, "start_method", "exec") == "fork":
+            self.fork_server = ForkServer(self._trainer_env(), self.log)
+
+    def _fork(self, rank: int, wait_s: float) -> bool:
+        """Start `rank` from the fork server (waiting up to `wait_s` for it to be ready)."""
+        server = self.fork_server
+        if server is None or not server.wait_ready(wait_s, self._renew_lease):
+            return False
+        proc = server.start(self._rank_env(rank), self.args.trainer_args)
+        if proc is None:
+            return False
+        self.procs[rank] = proc
+        return True
+
+    def spawn(self, rank: int, *, wait_s: float = 0.0) -> None:
+        """Start `rank`: fork it from the fork server if it is ready (within `wait_s`), else hand
+        it to a warm spare if one is alive, else start a fresh process."""
         self.started_at[rank] = time.monotonic()
+        if self._fork(rank, wait_s):
+            return
         self.spares = [p for p in self.spares if p.poll() is None]
         spare = self.spares.pop(0) if self.spares else None
         if spare is not None:
@@ -168,6 +204,8 @@ class Agent:
 
     def _top_up_spares(self) -> None:
         self.spares = [p for p in self.spares if p.poll() is None]
+        if self.fork_server is not None and self.fork_server.ready is not False:
+            return  # the fork server starts any rank warm (None: it is still importing)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         want = self._warm_spares_wanted()
@@ -188,8 +226,9 @@ class Agent:
     def run(self) -> int:
         self.store.add(keys.AGENTS_ACTIVE, 1)
         try:
+            self._start_fork_server()
             if self.node is not None:
-                self._start_node()
+                self._start_node(wait_s=FORK_SERVER_READY_S)
             else:
                 self._top_up_spares()
             return self._watch()
@@ -264,6 +303,10 @@ class Agent:
             self._top_up_spares()  # more spares once TP x PP is known (`_warm_spares_wanted`)
         check_evictions = evict_seq != self.evict_seq_seen  # only when one was set since
         self.evict_seq_seen = evict_seq
+        if self.fork_server is not None and self.fork_server.died() and not done:
+            self.log(f"the fork server exited ({self.fork_server.proc.returncode}); restarting it")
+            self.fork_server.stop()
+            self._start_fork_server()
         if self.smp is not None and self.smp.poll() is not None and not done:
             self.log(f"the snapshot process exited ({self.smp.returncode}); restarting it")
             self._start_smp()
@@ -459,6 +502,8 @@ class Agent:
             self.smp = start_snapshot_process(self.smp_cmd)
 
     def _stop_children(self) -> None:
+        if self.fork_server is not None:
+            self.fork_server.stop()
         if self.smp is not None and self.smp.poll() is None:
             self.procs[-100] = self.smp  # stopped with the others (SIGTERM; its folder stays)
         for i, spare in enumerate(self.spares):

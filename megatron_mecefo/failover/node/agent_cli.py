@@ -87,12 +87,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="restarts per rank before the agent gives up on it",
     )
     p.add_argument(
+        "--start-method",
+        choices=("fork", "exec"),
+        default=env("MECEFO_START_METHOD", "fork"),
+        help="fork: ranks (and restarted ranks) are forked from one process per node that "
+        "imported torch and megatron once (falls back to exec if that fails); exec: each rank "
+        "is a new interpreter, restarted ranks use warm spares ($MECEFO_START_METHOD)",
+    )
+    p.add_argument(
         "--warm-spares",
         type=int,
         default=int(env("MECEFO_WARM_SPARES")) if env("MECEFO_WARM_SPARES") else None,
-        help="pre-imported spare processes kept per node to replace dead ranks quickly (0: off; "
-        "default: as many as one replica (TP x PP) has ranks on the node, so a whole replica "
-        "restarts warm) ($MECEFO_WARM_SPARES)",
+        help="with --start-method exec: pre-imported spare processes kept per node to replace "
+        "dead ranks quickly (0: off; default: as many as one replica (TP x PP) has ranks on "
+        "the node, so a whole replica restarts warm) ($MECEFO_WARM_SPARES)",
     )
     p.add_argument(
         "--coordinator-arg",

@@ -92,6 +92,7 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         node=0,
         agent_id=7,
         smp=None,
+        fork_server=None,
         procs={},
         restart_at={1: (0.0, -1)},
         ranks=[0, 1],

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: a training engine on the embedded demo corpus for a preset.
+"""Shared by the benchmark scripts: a training engine on the embedded demo corpus for a preset,
+a preset's model config, and a synthetic batch for a bare model.
 
 Benchmarks time the real `Engine.train_step`; this builds it from `configs/run/demo_cpu.yaml` plus
 the benchmark's shape overrides, evaluation off.
@@ -40,6 +41,15 @@ def build_bench_engine(
         ],
     )
     return build_engine(cfg, ctx)
+
+
+def load_model_cfg(name: str, num_layers: int | None):
+    """The `ModelConfig` of preset `name` (its layer count replaced when `num_layers` is set)."""
+    from megatron_mecefo.config.loader import load_config
+    from megatron_mecefo.mcore.config import ModelConfig
+
+    overrides = [f"num_layers={num_layers}"] if num_layers else []
+    return load_config(ModelConfig, ROOT / "configs" / "model" / f"{name}.yaml", overrides)
 
 
 def synthetic_batch(model_cfg, micro_batch_size: int, device):

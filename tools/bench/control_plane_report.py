@@ -1,6 +1,6 @@
 """The control-plane benchmark's tables: the load and latency columns and their legend.
 
-Imported by `control.py`, which puts `tools/bench` and the repository on `sys.path`."""
+Imported by `control_plane.py`, which puts `tools/bench` and the repository on `sys.path`."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its section modules, when loaded by path
-from report_context import ReportContext  # noqa: E402
+from report_context import ReportContext, tool_section  # noqa: E402
 from report_etcd import section_etcd_store  # noqa: E402
 from report_markdown import _f, _scale, _table  # noqa: E402
 from report_plots import (  # noqa: E402
@@ -116,10 +116,8 @@ def section_throughput(ctx: ReportContext) -> list[str]:
     return out
 
 
-def section_loss_gap(ctx: ReportContext) -> list[str]:
-    conv = ctx.data.get("convergence")
-    if conv is None:
-        return [ctx.missing("convergence"), ""]
+@tool_section("convergence")
+def section_loss_gap(ctx: ReportContext, conv: dict) -> list[str]:
     args, base = conv.get("args") or {}, conv.get("failure_free") or {}
     out = [
         f"{args.get('corpus', '?')} corpus, `{args.get('model', '?')}` model, "
@@ -147,7 +145,7 @@ def section_loss_gap(ctx: ReportContext) -> list[str]:
             for r in rows
         ],
     )
-    return out + [ctx.provenance("convergence"), ""]
+    return out
 
 
 def section_latencies(ctx: ReportContext) -> list[str]:
@@ -221,10 +219,8 @@ def section_latencies(ctx: ReportContext) -> list[str]:
     return out
 
 
-def section_snapshot(ctx: ReportContext) -> list[str]:
-    rec = ctx.data.get("recovery")
-    if rec is None:
-        return [ctx.missing("recovery"), ""]
+@tool_section("recovery", provenance=False)
+def section_snapshot(ctx: ReportContext, rec: dict) -> list[str]:
     out = [
         "Target: an every-step snapshot under 2% of the step time; parity memory 1/k. On this "
         "machine the median step drifts by more than the overhead between rounds (negative "
@@ -288,10 +284,8 @@ def section_snapshot(ctx: ReportContext) -> list[str]:
     return out
 
 
-def section_spare(ctx: ReportContext) -> list[str]:
-    rep = ctx.data.get("sim_reproduce")
-    if rep is None:
-        return [ctx.missing("sim_reproduce"), ""]
+@tool_section("sim_reproduce", provenance=False)
+def section_spare(ctx: ReportContext, rep: dict) -> list[str]:
     rows = spare_rows(rep)
     out = [
         f"600k GPUs, failure model `{rep.get('level', '?')}` (see `docs/sim.md`); TTT / T0, best "
@@ -320,10 +314,8 @@ def section_spare(ctx: ReportContext) -> list[str]:
     return out
 
 
-def section_step_time(ctx: ReportContext) -> list[str]:
-    st = ctx.data.get("step_time")
-    if st is None:
-        return [ctx.missing("step_time"), ""]
+@tool_section("step_time")
+def section_step_time(ctx: ReportContext, st: dict) -> list[str]:
     out = _table(
         ["model", "params", "tokens/step", "step", "tokens/s", "MFU", "device"],
         [
@@ -339,7 +331,7 @@ def section_step_time(ctx: ReportContext) -> list[str]:
             for r in st.get("rows") or []
         ],
     )
-    return out + [f"torch threads: {st.get('threads', '?')}.", "", ctx.provenance("step_time"), ""]
+    return out + [f"torch threads: {st.get('threads', '?')}.", ""]
 
 
 SECTIONS = (

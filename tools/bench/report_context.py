@@ -4,6 +4,7 @@ Imported by `report.py`, which puts `tools/bench` on `sys.path`."""
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,3 +101,21 @@ class ReportContext:
         path = self.png_dir / filename
         save_png(fig, path)
         return f"![{alt}]({os.path.relpath(path, self.md_dir)})"
+
+
+def tool_section(name: str, provenance: bool = True):
+    """A section drawn from tool `name`'s JSON alone: its "not measured" line when there is no
+    JSON, else `render(ctx, data)` followed by the tool's provenance (`provenance=False`: the
+    section places that line itself, e.g. before its plot)."""
+
+    def wrap(render):
+        @functools.wraps(render)
+        def section(ctx: ReportContext) -> list[str]:
+            data = ctx.data.get(name)
+            if data is None:
+                return [ctx.missing(name), ""]
+            return render(ctx, data) + ([ctx.provenance(name), ""] if provenance else [])
+
+        return section
+
+    return wrap

@@ -3,22 +3,16 @@
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
+from bench_common import median_of
+from report_context import tool_section
 from report_markdown import _f, _table
 
 
-def _median(rows: list[dict], key: str):
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
-def section_etcd_store(ctx: Any) -> list[str]:
+@tool_section("etcd_store")
+def section_etcd_store(ctx: Any, doc: dict) -> list[str]:
     """`tools/bench/etcd_store.py`: tcp against etcd on real jobs, the election, etcd's load."""
-    doc = ctx.data.get("etcd_store")
-    if doc is None:
-        return [ctx.missing("etcd_store"), ""]
     out = [
         "`--store tcp` (the TCPStore on node 0) against `--store etcd` (a 3-member etcd cluster "
         "on this machine), in one run. Real jobs of the tiny model: a SIGKILL at step 10 "
@@ -31,7 +25,7 @@ def section_etcd_store(ctx: Any) -> list[str]:
     steps = {}
     for store in ("tcp", "etcd"):
         d = doc[store]
-        steps[store] = _median(d["overhead"], "step_s")
+        steps[store] = median_of(r.get("step_s") for r in d["overhead"])
         rows.append(
             [
                 store,
@@ -40,7 +34,7 @@ def section_etcd_store(ctx: Any) -> list[str]:
                 _f(d["node_loss"]["ranks_detected_ms"], ".0f"),
                 _f(d["node_loss"]["node_lost_ms"], ".0f"),
                 _f(steps[store] and 1000 * steps[store], ".1f"),
-                _f(_median(d["overhead"], "vote_ms"), ".2f"),
+                _f(median_of(r.get("vote_ms") for r in d["overhead"]), ".2f"),
             ]
         )
     out += _table(
@@ -115,4 +109,4 @@ def section_etcd_store(ctx: Any) -> list[str]:
             "on etcd, which are not built. Choosing a store: `docs/failover.md`."
         )
         out.append("")
-    return out + [ctx.provenance("etcd_store"), ""]
+    return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-from report_context import ReportContext
+from report_context import ReportContext, tool_section
 from report_markdown import _f, _scale, _table
 from report_tools import HYBRID_TARGET, ROOT, _rel
 
@@ -97,10 +97,8 @@ def section_convergence_study(ctx: ReportContext) -> list[str]:
     return out + [""]
 
 
-def section_degraded(ctx: ReportContext) -> list[str]:
-    deg = ctx.data.get("degraded")
-    if deg is None:
-        return [ctx.missing("degraded"), ""]
+@tool_section("degraded")
+def section_degraded(ctx: ReportContext, deg: dict) -> list[str]:
     out = [
         "Slowest rank's step time vs a normal rank (one real training step per scenario). "
         "MeCeFO's neighbour costs ~1.56x by FLOP count; our target for `hybrid` is <= 1.15x.",
@@ -137,7 +135,7 @@ def section_degraded(ctx: ReportContext) -> list[str]:
             f"{_f(hooks, '+.1f', '%')}.",
             "",
         ]
-    return out + [ctx.provenance("degraded"), ""]
+    return out
 
 
 def _median(rows: list[dict], key: str):
@@ -303,10 +301,8 @@ def section_control_plane(ctx: ReportContext) -> list[str]:
     return out
 
 
-def section_granularity(ctx: ReportContext) -> list[str]:
-    gran = ctx.data.get("granularity")
-    if gran is None:
-        return [ctx.missing("granularity"), ""]
+@tool_section("granularity")
+def section_granularity(ctx: ReportContext, gran: dict) -> list[str]:
     out = [
         "The slowest `spread` survivor with one of n replicas dead, taking over whole "
         "micro-batches (`mecefo.takeover_granularity: microbatch`, the default) or sample slices "
@@ -360,13 +356,11 @@ def section_granularity(ctx: ReportContext) -> list[str]:
             ],
             table,
         )
-    return out + [ctx.provenance("granularity"), ""]
+    return out
 
 
-def section_pipeline(ctx: ReportContext) -> list[str]:
-    pipe = ctx.data.get("pipeline")
-    if pipe is None:
-        return [ctx.missing("pipeline"), ""]
+@tool_section("pipeline")
+def section_pipeline(ctx: ReportContext, pipe: dict) -> list[str]:
     args = pipe.get("args") or {}
     out = [
         f"A replica is a {pipe.get('stages', 2)}-stage pipeline (megatron's 1F1B schedule over "
@@ -394,4 +388,4 @@ def section_pipeline(ctx: ReportContext) -> list[str]:
         ["model", "policy", "micro-batches", "degraded", "step ms", "over normal", "1F1B model"],
         table,
     )
-    return out + [ctx.provenance("pipeline"), ""]
+    return out

@@ -7,6 +7,7 @@ import math
 import re
 from typing import Any
 
+from report_context import tool_section
 from report_markdown import _f, _scale, _table
 
 # ---------------------------------------------------------------------------- distributed optimizer
@@ -29,12 +30,10 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def section_sharded_optimizer(ctx: Any) -> list[str]:
+@tool_section("sharded_optimizer")
+def section_sharded_optimizer(ctx: Any, doc: dict) -> list[str]:
     """`tools/bench/sharded_optimizer.py`: state memory, step time and shard moves under
     failover, then a reading whose every claim is decided from the JSON."""
-    doc = ctx.data.get("sharded_optimizer")
-    if doc is None:
-        return [ctx.missing("sharded_optimizer"), ""]
     args, cores = doc.get("args") or {}, (doc.get("machine") or {}).get("cpus", "?")
     out = [
         "`training.use_distributed_optimizer=true` (our `optim/sharded.py`, "
@@ -55,7 +54,7 @@ def section_sharded_optimizer(ctx: Any) -> list[str]:
             out += render(doc[key], args, cores)
     reading = _sharded_reading(doc)
     out += [f"**Reading.** {reading}", ""] if reading else []
-    return out + [ctx.provenance("sharded_optimizer"), ""]
+    return out
 
 
 def _sharded_memory(rows: list[dict], args: dict, cores) -> list[str]:

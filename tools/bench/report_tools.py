@@ -75,9 +75,9 @@ def _sim(
     scenario: str,
     gpus: int,
     per_group: int,
-    steps: int,
     strategies: str = STRATEGIES,
     extra: tuple[str, ...] = (),
+    steps: int = 2000,
 ) -> Tool:
     args = ("simulate", "--json", "--scenario", f"configs/failures/{scenario}.yaml", "--gpus")
     args += (str(gpus), "--gpus-per-group", str(per_group), "--steps", str(steps))
@@ -127,24 +127,14 @@ TOOLS = (
         ("reproduce", "--json", "--seeds", "1"),
         stdout_json=True,
     ),
-    _sim(
-        "sim_mecefo_high_64", "mecefo_high, 64 GPUs (8 DP groups of 8)", "mecefo_high", 64, 8, 2000
-    ),
-    _sim(
-        "sim_mecefo_high_512",
-        "mecefo_high, 512 GPUs (64 DP groups of 8)",
-        "mecefo_high",
-        512,
-        8,
-        2000,
-    ),
+    _sim("sim_mecefo_high_64", "mecefo_high, 64 GPUs (8 DP groups of 8)", "mecefo_high", 64, 8),
+    _sim("sim_mecefo_high_512", "mecefo_high, 512 GPUs (64 DP groups of 8)", "mecefo_high", 512, 8),
     _sim(
         "sim_llama3_16k",
         "llama3_405b rates, 16,384 GPUs (2048 DP groups of 8)",
         "llama3_405b",
         16384,
         8,
-        2000,
         SPARE_STRATEGIES,  # the no-spares baseline of the two spare runs below
     ),
     _sim(
@@ -154,7 +144,6 @@ TOOLS = (
         "llama3_405b",
         16384,
         8,
-        2000,
         SPARE_STRATEGIES,
         ("--spare-nodes", "4"),
     ),
@@ -164,7 +153,6 @@ TOOLS = (
         "llama3_405b",
         16384,
         8,
-        2000,
         SPARE_STRATEGIES,
         ("--spare-nodes", "4", "--replace-s", "120"),
     ),
@@ -174,7 +162,6 @@ TOOLS = (
         "llama3_405b",
         16384,
         128,
-        2000,
         LAYOUT_STRATEGIES,
         ("--run-config", "configs/run/llama-405b-2048n.yaml"),
     ),
@@ -184,7 +171,6 @@ TOOLS = (
         "llama3_405b",
         16384,
         128,
-        2000,
         LAYOUT_STRATEGIES,
         ("--run-config", "configs/run/llama-405b-2048n.yaml", "--spare-nodes", "4"),
     ),

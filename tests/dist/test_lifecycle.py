@@ -15,6 +15,7 @@ import uuid
 import pytest
 
 from megatron_mecefo.control.proc import FORK_NAME
+from megatron_mecefo.failover.node.agent_cli import launch_command
 from megatron_mecefo.metrics.summary import check_summary
 from tests.helpers.cli import ROOT, metric_rows, run_train
 from tests.helpers.launch import job_processes, launch
@@ -170,15 +171,7 @@ def test_a_bad_injection_is_refused_before_launch(tmp_path, demo_data_dir, spec,
     env = dict(os.environ, PYTHON=sys.executable, NPROC="2", PYTHONWARNINGS="ignore")
     for cmd in (
         ["bash", "launch/local/run.sh", *args],
-        [
-            sys.executable,
-            "-m",
-            "megatron_mecefo.failover.node.agent_cli",
-            "--nproc-per-node",
-            "2",
-            "--",
-            *args,
-        ],
+        launch_command(args, nproc_per_node=2),
     ):
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2, (cmd[:3], out.stdout[-2000:], out.stderr[-2000:])

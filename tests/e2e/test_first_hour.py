@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mecefo.failover.node.agent_cli import launch_command
 from megatron_mecefo.metrics.summary import check_summary
 from tests.helpers.cli import demo_args
 from tests.helpers.launch import job_processes
@@ -294,9 +295,10 @@ def test_a_store_that_does_not_answer_is_one_line_and_exit_6(tmp_path, demo_data
     port = _closed_port()
     args = demo_args(tmp_path / "run", demo_data_dir, 10)
     if store == "tcp":
-        cmd = [sys.executable, "-m", "megatron_mecefo.failover.node.agent_cli", "--nnodes", "2",
-               "--node-rank", "1", "--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}",
-               "--", *args]  # fmt: skip
+        cmd = launch_command(
+            args, nproc_per_node=1, nnodes=2, node_rank=1,
+            flags=["--coordinator", f"127.0.0.1:{port}"],
+        )  # fmt: skip
         env = _env(MECEFO_COORDINATOR_WAIT_S="4")
     else:
         cmd = ["bash", "launch/local/run.sh", *args]

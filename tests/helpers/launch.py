@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_mecefo.failover.node.agent_cli import launch_command
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
 
@@ -61,13 +63,6 @@ class LaunchResult:
         for path in sorted((self.run_dir / "audit").glob("tasks_rank*.jsonl")):
             rows += [json.loads(line) for line in path.read_text().splitlines()]
         return [row for row in rows if is_committed_row(row, attempts)]
-
-    def committed_tasks(self) -> list[tuple[int, int, int]]:
-        """Every (step, source replica, micro-batch) any rank committed, with repeats (a
-        micro-batch cut into slices appears once per slice: see `committed_samples`)."""
-        return [
-            (row["step"], task[0], task[1]) for row in self.task_rows() for task in row["tasks"]
-        ]
 
     def committed_samples(self) -> list[tuple[int, int, int, int]]:
         """Every (step, source replica, micro-batch, sample) any rank committed, with repeats:
@@ -119,23 +114,13 @@ def launch(
     name: str = "run",
     while_running: Callable[[subprocess.Popen, Path], None] | None = None,
 ) -> LaunchResult:
-    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run.
-    A job that nothing disturbs (no injection, no `while_running`) runs without warm spares:
-    it never restarts a rank, and each spare costs a full torch import."""
+    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run."""
     run_dir = tmp_path / name
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_mecefo.failover.node.agent_cli",
-        "--nproc-per-node",
-        str(nproc),
-        "--restart-delay-s",
-        "0.5",
-        *_no_spares_if_undisturbed(launch_args, inject, while_running),
-        *launch_args,
-        "--",
-        *trainer_args(run_dir, demo_data_dir, steps, inject, overrides),
-    ]
+    cmd = launch_command(
+        trainer_args(run_dir, demo_data_dir, steps, inject, overrides),
+        nproc_per_node=nproc,
+        flags=["--restart-delay-s", "0.5", *launch_args],
+    )
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     return _run_job(cmd, env, tmp_path / f"{name}.log", run_dir, timeout_s, while_running)
 
@@ -203,12 +188,6 @@ def stop_after_event(proc, run_dir: Path, kind: str, *, more_steps: int = 3) -> 
     proc.send_signal(signal.SIGUSR1)
 
 
-def _no_spares_if_undisturbed(launch_args, inject, while_running) -> tuple[str, ...]:
-    if inject or while_running is not None or "--warm-spares" in launch_args:
-        return ()
-    return ("--warm-spares", "0")
-
-
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -261,24 +240,13 @@ def launch_nodes(
             where = ["--store", "etcd", "--etcd-endpoints", ",".join(etcd[0]), "--job-id", etcd[1]]
         if node >= nnodes:
             where.append("--standby")
-        cmd = [
-            sys.executable,
-            "-m",
-            "megatron_mecefo.failover.node.agent_cli",
-            "--nproc-per-node",
-            str(nproc_per_node),
-            "--nnodes",
-            str(nnodes),
-            "--node-rank",
-            str(node),
-            "--restart-delay-s",
-            "0.5",
-            *where,
-            *_no_spares_if_undisturbed(launch_args, inject, while_running),
-            *launch_args,
-            "--",
-            *trainer,
-        ]
+        cmd = launch_command(
+            trainer,
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node,
+            flags=["--restart-delay-s", "0.5", *where, *launch_args],
+        )
         log_path = tmp_path / f"{name}.node{node}.log"
         logs.append(log_path)
         with open(log_path, "w") as log:

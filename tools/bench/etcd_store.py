@@ -52,6 +52,7 @@ from bench_common import (  # noqa: E402
 from megatron_mecefo.control import keys  # noqa: E402
 from megatron_mecefo.control.etcd_cluster import LocalEtcd  # noqa: E402
 from megatron_mecefo.control.etcd_store import EtcdStore, address  # noqa: E402
+from megatron_mecefo.failover.node.agent_cli import launch_command  # noqa: E402
 from megatron_mecefo.failover.node.node_lease import LEASE_TTL_S  # noqa: E402
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -76,18 +77,7 @@ def store_args(store: str, cluster: LocalEtcd, job: str) -> list[str]:
 
 
 def agent_cmd(nproc: int, extra: list[str], train: list[str]) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "megatron_mecefo.failover.node.agent_cli",
-        "--nproc-per-node",
-        str(nproc),
-        "--restart-delay-s",
-        "0.5",
-        *extra,
-        "--",
-        *train,
-    ]
+    return launch_command(train, nproc_per_node=nproc, flags=["--restart-delay-s", "0.5", *extra])
 
 
 def run_job(cmd: list[str], run_dir: Path, timeout_s: float = 600) -> dict:

@@ -68,16 +68,9 @@ def _run(launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, ex
     train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
     if launcher.startswith("failover"):
         store = ["--store", "etcd", "--job-id", run_dir.name] if launcher.endswith("etcd") else []
-        cmd = [
-            sys.executable,
-            "-m",
-            "megatron_mecefo.failover.node.agent_cli",
-            "--nproc-per-node",
-            str(nproc),
-            *store,
-            "--",
-            *train_args,
-        ]
+        from megatron_mecefo.failover.node.agent_cli import launch_command
+
+        cmd = launch_command(train_args, nproc_per_node=nproc, flags=store)
     else:
         cmd = [
             sys.executable,

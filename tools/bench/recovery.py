@@ -283,15 +283,9 @@ def end_to_end(demo_dir: str, work: Path, steps: int, say) -> dict:
     out = {}
     for name, (overrides, injections) in E2E_CASES.items():
         run_dir = work / f"e2e-{len(out)}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "megatron_mecefo.failover.node.agent_cli",
-            "--nproc-per-node",
-            "2",
-            "--restart-delay-s",
-            "0.5",
-            "--",
+        from megatron_mecefo.failover.node.agent_cli import launch_command
+
+        train = [
             "--config",
             str(ROOT / "configs" / "run" / "demo_cpu.yaml"),
             "--run-dir",
@@ -303,6 +297,7 @@ def end_to_end(demo_dir: str, work: Path, steps: int, say) -> dict:
             "logging.print_interval=0",
             *overrides,
         ]
+        cmd = launch_command(train, nproc_per_node=2, flags=["--restart-delay-s", "0.5"])
         for spec in injections:
             cmd += ["--inject", spec]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

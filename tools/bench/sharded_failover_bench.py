@@ -142,12 +142,12 @@ def failover_row(scenario: str, res: dict, run_dir: Path) -> dict:
 
 def run_kill(args, tmp: Path) -> dict:
     run_dir = tmp / "kill"
-    cmd = [
-        sys.executable, "-m", "megatron_mecefo.failover.node.agent_cli",
-        "--nproc-per-node", "4", "--restart-delay-s", "0.5", "--",
-        *demo_job_args(args.failover_steps, run_dir, args.demo_dir, *FAILOVER_OVERRIDES,
-                       "--inject", "kill:2:5:3"),
-    ]  # fmt: skip
+    from megatron_mecefo.failover.node.agent_cli import launch_command
+
+    train = demo_job_args(
+        args.failover_steps, run_dir, args.demo_dir, *FAILOVER_OVERRIDES, "--inject", "kill:2:5:3"
+    )
+    cmd = launch_command(train, nproc_per_node=4, flags=["--restart-delay-s", "0.5"])
     print(f"[bench] failover: kill:2:5:3, 4 ranks, {args.failover_steps} steps", flush=True)
     return failover_row("kill rank 2", run_job(cmd, run_dir, args.timeout_s), run_dir)
 

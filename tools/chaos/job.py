@@ -28,13 +28,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron_mecefo.control import keys  # noqa: E402
+from megatron_mecefo.failover.node.agent_cli import AGENT_MODULE, launch_command  # noqa: E402
 from megatron_mecefo.failover.node.candidate import CandidateId  # noqa: E402
 from tools.chaos import checks  # noqa: E402
 from tools.chaos.schedule import Schedule  # noqa: E402
 
 CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
 ROLE = {
-    "agent": "megatron_mecefo.failover.node.agent_cli",
+    "agent": AGENT_MODULE,
     "coordinator": "megatron_mecefo.failover.authority.coordinator_cli",
     "store": "megatron_mecefo.failover.authority.store_host",
     "smp": "megatron_mecefo.snapshot.smp",
@@ -114,15 +115,10 @@ class Job:
                 where = ["--coordinator-port", str(self.port)]
             else:
                 where = ["--coordinator", self.address]
-            cmd = [
-                sys.executable, "-m", ROLE["agent"],
-                "--nproc-per-node", str(self.s.nproc),
-                "--nnodes", str(self.s.nodes),
-                "--node-rank", str(node),
-                "--restart-delay-s", "0.5",
-                *spares,
-                *where, "--", *self.trainer_args(),
-            ]  # fmt: skip
+            cmd = launch_command(
+                self.trainer_args(), nproc_per_node=self.s.nproc, nnodes=self.s.nodes,
+                node_rank=node, flags=["--restart-delay-s", "0.5", *spares, *where],
+            )  # fmt: skip
             with open(self.folder / f"node{node}.log", "w") as log:
                 self.agents[node] = subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=ROOT,

@@ -34,6 +34,25 @@ DIE_WITH_PARENT_ENV = "MECEFO_DIE_WITH_PARENT"
 when its parent dies, so a SIGKILLed launcher leaves no node training on."""
 
 
+AGENT_MODULE = "megatron_mecefo.failover.node.agent_cli"
+
+
+def launch_command(
+    trainer_args: list[str],
+    *,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    flags: list[str] | tuple[str, ...] = (),
+) -> list[str]:
+    """`mecefo-launch` for one node as a command line (`python -m` this module): the one way
+    tests, benchmarks and the chaos tool start an agent. `flags`: its other options."""
+    cmd = [sys.executable, "-m", AGENT_MODULE, "--nproc-per-node", str(nproc_per_node)]
+    if nnodes != 1 or node_rank != 0:
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank)]
+    return [*cmd, *flags, "--", *trainer_args]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(

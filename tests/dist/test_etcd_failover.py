@@ -66,8 +66,9 @@ def test_etcd_leader_killed_mid_run(tmp_path, demo_data_dir, cluster):
         demo_data_dir,
         steps=steps,
         inject=("kill:2:12:3",),
-        launch_args=(*_etcd_args(cluster, "leader-kill"), "--warm-spares", "1"),
+        launch_args=_etcd_args(cluster, "leader-kill"),
         while_running=kill_etcd_leader,
+        until_rejoined=True,
     )
     assert killed and cluster.procs[killed[0]].poll() is not None
     assert_recovered(res, steps=steps)
@@ -93,13 +94,9 @@ def test_coordinator_killed_twice(tmp_path, demo_data_dir, cluster):
         demo_data_dir,
         steps=steps,
         inject=("kill:1:16:3",),  # after both: the third coordinator must decide it
-        launch_args=(
-            *_etcd_args(cluster, job),
-            "--warm-spares",
-            "1",
-            "--coordinator-arg=--lease-ttl-s=3",
-        ),
+        launch_args=(*_etcd_args(cluster, job), "--coordinator-arg=--lease-ttl-s=3"),
         while_running=kill_coordinator_twice,
+        until_rejoined=True,
     )
     assert_recovered(res, steps=steps)
     elected = re.findall(r"candidate \S+ elected \(lease TTL 3 s, epoch (\d+)", res.output)

@@ -43,7 +43,8 @@ def test_pp2_dp2_survives_a_kill_on_any_stage(tmp_path, demo_data_dir, failure_f
         demo_data_dir,
         steps=STEPS,
         inject=inject,
-        overrides=PP2,  # default warm spares: as many as a replica has ranks on the node
+        overrides=PP2,
+        until_rejoined=True,
     )
     assert_recovered(res, steps=STEPS, replicas=2, tp=2, min_rejoins=2)
     dead = {int(spec.split(":")[1]) // 2 for spec in inject}
@@ -97,6 +98,7 @@ def test_tp2_pp2_dp2_one_kill(tmp_path, demo_data_dir):
         inject=("kill:5:4:3",),
         overrides=(*PP2, "parallel.tensor_model_parallel_size=2"),
         timeout_s=400,
+        until_rejoined=True,
     )
     assert_recovered(res, steps=40, replicas=2, world=8, tp=4, min_rejoins=4)
     failures = [e for e in res.events() if e["type"] == "failure"]

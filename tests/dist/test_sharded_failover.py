@@ -87,10 +87,10 @@ def test_kill_adopts_and_hands_back(tmp_path, demo_data_dir, reference):
         steps=steps,
         inject=("kill:2:5:3",),
         overrides=SHARDED,
-        launch_args=("--warm-spares", "1"),
+        until_rejoined=True,
     )
     assert_recovered(res, steps=steps)
-    assert_shards_exact(res, reference, steps=steps, clean_before=5)
+    assert_shards_exact(res, reference, steps=len(res.metrics()), clean_before=5)
     assert_same_curve(res, reference, steps)
     moves = [e for e in res.events() if e["type"] == "shard_adopt"]
     # adopted after the death (at the step it died in), handed back at the rejoin
@@ -107,10 +107,10 @@ def test_two_kills_at_one_step(tmp_path, demo_data_dir, reference):
         steps=steps,
         inject=("kill:0:5:3", "kill:2:5:3"),
         overrides=SHARDED,
-        launch_args=("--warm-spares", "2"),
+        until_rejoined=True,
     )
     assert_recovered(res, steps=steps, min_failures=2, min_rejoins=2)
-    assert_shards_exact(res, reference, steps=steps, clean_before=5)
+    assert_shards_exact(res, reference, steps=len(res.metrics()), clean_before=5)
     assert_same_curve(res, reference, steps)
 
 
@@ -235,8 +235,9 @@ def test_tp2_dp2_kill(tmp_path, demo_data_dir):
         steps=steps,
         inject=("kill:3:5:3",),
         overrides=overrides,
-        launch_args=("--warm-spares", "2"),
+        until_rejoined=True,
     )
     assert_recovered(res, steps=steps, replicas=2, tp=2)
-    assert_shards_exact(res, ref, steps=steps, replicas=2, positions=2, clean_before=5)
+    last = len(res.metrics())
+    assert_shards_exact(res, ref, steps=last, replicas=2, positions=2, clean_before=5)
     assert_same_curve(res, ref, steps)

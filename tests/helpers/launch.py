@@ -28,6 +28,9 @@ class LaunchResult:
     wall_s: float
     node_codes: list[int] | None = None
     """launch_nodes: each agent's exit code (working nodes, then standbys)."""
+    stopped: bool = False
+    """`until_rejoined`: the job was asked to stop (exit PREEMPTED) once every failed rank was
+    back and at least the requested steps were logged."""
 
     def metrics(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
@@ -113,16 +116,44 @@ def launch(
     timeout_s: float = 240,
     name: str = "run",
     while_running: Callable[[subprocess.Popen, Path], None] | None = None,
+    until_rejoined: bool = False,
 ) -> LaunchResult:
-    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run."""
+    """Start `mecefo-launch` with the tiny demo config; wait (bounded) and collect the run.
+    `until_rejoined`: see `_until_rejoined`."""
     run_dir = tmp_path / name
+    if until_rejoined:
+        steps, overrides, while_running = _until_rejoined(steps, overrides, while_running)
     cmd = launch_command(
         trainer_args(run_dir, demo_data_dir, steps, inject, overrides),
         nproc_per_node=nproc,
         flags=["--restart-delay-s", "0.5", *launch_args],
     )
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
-    return _run_job(cmd, env, tmp_path / f"{name}.log", run_dir, timeout_s, while_running)
+    res = _run_job(cmd, env, tmp_path / f"{name}.log", run_dir, timeout_s, while_running)
+    res.stopped = until_rejoined
+    return res
+
+
+STEP_BOUND = 400
+"""The step count of a job stopped on request: a bound it never reaches."""
+
+
+def _until_rejoined(steps: int, overrides: tuple[str, ...], while_running):
+    """Run at least `steps` steps and until every rank that failed has rejoined, then stop on
+    request (SIGUSR1; exit PREEMPTED): a rejoin is never raced by the job's last step, however
+    fast the machine. The learning rate follows a `steps`-step schedule (`lr_decay_steps`) and
+    the demo corpus is one epoch either way, so the first `steps` steps are those of a plain
+    `steps`-step job."""
+    if not any(o.startswith("training.lr_decay_steps=") for o in overrides):
+        overrides = (*overrides, f"training.lr_decay_steps={steps}")
+
+    def run_then_stop(proc, run_dir):
+        if while_running is not None:
+            while_running(proc, run_dir)
+        head = proc[0] if isinstance(proc, list) else proc
+        stop_after_rejoins(head, run_dir, min_steps=steps)
+
+    return STEP_BOUND, overrides, run_then_stop
 
 
 def _run_job(cmd, env, log_path: Path, run_dir: Path, timeout_s: float, while_running):
@@ -188,6 +219,41 @@ def stop_after_event(proc, run_dir: Path, kind: str, *, more_steps: int = 3) -> 
     proc.send_signal(signal.SIGUSR1)
 
 
+def _events(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def stop_after_rejoins(proc, run_dir: Path, *, min_steps: int, limit_s: float = 180) -> None:
+    """Once `min_steps` steps are logged, a rank has failed and every rank that failed has
+    rejoined since (a `rejoin` event after its last `failure`), and three more steps are logged,
+    ask the job to stop (SIGUSR1 to `proc`). Returns at once if the job exits first (the test's
+    assertions then say why)."""
+    deadline = time.monotonic() + limit_s
+    while proc.poll() is None:
+        pending: set[int] = set()
+        failed = False
+        for event in _events(run_dir):
+            if event["type"] == "failure":
+                failed = True
+                pending |= set(event.get("ranks") or [])
+            elif event["type"] == "rejoin":
+                pending -= set(event.get("ranks") or [])
+        if failed and not pending and logged_steps(run_dir) >= min_steps:
+            break
+        assert time.monotonic() < deadline, f"failed ranks {sorted(pending)} never rejoined"
+        time.sleep(0.05)
+    else:
+        return
+    target = logged_steps(run_dir) + 3
+    while proc.poll() is None and logged_steps(run_dir) < target:
+        assert time.monotonic() < deadline, "the job stopped making progress"
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGUSR1)
+
+
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -219,12 +285,16 @@ def launch_nodes(
     while_running: Callable[[list[subprocess.Popen], Path], None] | None = None,
     standby: int = 0,
     etcd: tuple[list[str], str] | None = None,
+    until_rejoined: bool = False,
 ) -> LaunchResult:
     """`nnodes` agents on this machine, each a simulated node (node 0 starts the coordinator on
     a free port), plus `standby` spare agents (`--standby`); returns node 0's result with every
     node's output and every agent's exit code. `etcd=(endpoints, job id)`: `--store etcd` on that
-    cluster instead (every agent keeps a coordinator candidate; no node starts a store)."""
+    cluster instead (every agent keeps a coordinator candidate; no node starts a store).
+    `until_rejoined`: see `_until_rejoined` (the stop goes to node 0's agent)."""
     run_dir = tmp_path / name
+    if until_rejoined:
+        steps, overrides, while_running = _until_rejoined(steps, overrides, while_running)
     port = free_port()
     trainer = trainer_args(run_dir, demo_data_dir, steps, inject, overrides)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
@@ -278,7 +348,8 @@ def launch_nodes(
     rc = -9 if codes == [-9] else max(codes, key=abs)
     if codes == [-9]:
         output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
-    return LaunchResult(rc, output, run_dir, time.monotonic() - start, node_codes=codes)
+    wall_s = time.monotonic() - start
+    return LaunchResult(rc, output, run_dir, wall_s, node_codes=codes, stopped=until_rejoined)
 
 
 def job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:

@@ -77,13 +77,27 @@ class ControlPlane:
         return False
 
     def membership_lost(self, generation: int, members: tuple[int, ...]) -> str | None:
-        """Why a generation newer than `generation` dropped one of its `members`, or None."""
+        """Why a generation newer than `generation` dropped one of its `members`, or None.
+
+        Every generation since counts, not only the newest: a failure generation may be
+        superseded by a join that lists the same replicas again before this rank looks (a lost
+        node replaced by a standby within a beat), and the peers it waits for are new processes
+        (new incarnations) that never entered this reduction."""
         latest = self.latest_gen
         if latest <= generation:
             return None
-        alive = set(self.record(latest).members)
-        gone = [r for r in members if r not in alive]
-        return f"generation {latest} removed replicas {gone}" if gone else None
+        for gen in range(generation + 1, latest + 1):
+            alive = set(self.record(gen).members)
+            gone = [r for r in members if r not in alive]
+            if gone:
+                return f"generation {gen} removed replicas {gone}"
+        before = self.record(generation).incarnations
+        changed = sorted(
+            int(rank)
+            for rank, inc in self.record(latest).incarnations.items()
+            if rank in before and before[rank] != inc
+        )
+        return f"generation {latest} has new incarnations of ranks {changed}" if changed else None
 
     def check_superseded(self, gen: int, deadline: float, timeout_s: float) -> None:
         """Raise `Superseded` if a newer generation exists, `JobDone` if the job ended, and

@@ -141,10 +141,14 @@ STEP_BOUND = 400
 def _until_rejoined(steps: int, overrides: tuple[str, ...], while_running):
     """Run at least `steps` steps and until every rank that failed has rejoined, then stop on
     request (SIGUSR1; exit PREEMPTED): a rejoin is never raced by the job's last step, however
-    fast the machine. The learning rate follows a `steps`-step schedule (`lr_decay_steps`) and
-    the demo corpus is one epoch either way, so the first `steps` steps are those of a plain
-    `steps`-step job."""
-    if not any(o.startswith("training.lr_decay_steps=") for o in overrides):
+    fast the machine. The learning rate follows a `steps`-step schedule (`lr_decay_steps`, when
+    `steps` covers the warmup) and the demo corpus is one epoch either way, so the first `steps`
+    steps are those of a plain `steps`-step job."""
+    import yaml
+
+    warmup = yaml.safe_load(CONFIG.read_text())["training"]["warmup_steps"]
+    pinned = any(o.startswith("training.lr_decay_steps=") for o in overrides)
+    if steps >= warmup and not pinned:  # a shorter schedule is refused (and compared nowhere)
         overrides = (*overrides, f"training.lr_decay_steps={steps}")
 
     def run_then_stop(proc, run_dir):

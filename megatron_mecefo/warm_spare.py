@@ -9,7 +9,8 @@ Two modes, both started by the node agent:
   context, no process group), says
   so on its reply pipe, then forks one trainer per order line {"env", "args", "agent_pid",
   "deadline"}. Each trainer is forked through an intermediate process that exits at once, so it
-  is re-parented to the agent (a child subreaper while it orders: `fork_server.py`), which then
+  is re-parented to the agent (a child subreaper while it orders: `fork_server.py`, which also
+  names the reply pipe, `REPLY_FD_ENV`), which then
   waits for it like any child. The trainer takes its own session, binds its life to the agent's,
   shows its own command line (`PAD`, spaces, is the room for it), replies {"pid"} and runs.
 It lives beside `train.py`, whose `main` both become.
@@ -26,10 +27,6 @@ if __name__ == "__mp_main__":  # re-imported in a spawn child of the trainer thi
     from megatron_mecefo.control.proc import die_with_parent
 
     die_with_parent()  # megatron's spawned checkpoint-result queue must not outlive its trainer
-
-REPLY_FD_ENV = "MECEFO_FORK_REPLY_FD"
-"""The fork server's reply pipe (a file descriptor number): "ready" or why not, then one reply
-per order, written by the forked trainer itself."""
 
 
 def preload() -> None:
@@ -128,6 +125,8 @@ def serve(reply_fd: int) -> int:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--serve"]:
+        from megatron_mecefo.failover.node.fork_server import REPLY_FD_ENV
+
         return serve(int(os.environ[REPLY_FD_ENV]))
     preload()
     line = sys.stdin.readline()

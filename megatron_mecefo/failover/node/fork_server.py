@@ -22,7 +22,9 @@ from collections.abc import Callable
 
 from megatron_mecefo.control.proc import ignore_stop_signal, set_child_subreaper, signal_group
 
-REPLY_FD_ENV = "MECEFO_FORK_REPLY_FD"  # warm_spare.REPLY_FD_ENV (that module imports torch)
+REPLY_FD_ENV = "MECEFO_FORK_REPLY_FD"
+"""The server's reply pipe (a file descriptor number): "ready" or why not, then one reply per
+order, written by the forked trainer itself."""
 CMDLINE_ROOM = 8192
 """Spaces on the server's command line: the room a forked trainer has to show its own."""
 ORDER_TIMEOUT_S = 20.0

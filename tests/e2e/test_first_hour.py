@@ -147,7 +147,7 @@ def test_the_readme_first_hour_commands_pasted_in_order(tmp_path, demo_data_dir)
     """The README's "Your first hour" block, run as pasted (a shell without the venv on PATH, a
     working directory where the demo already ran): the kill job recovers (one failure, one
     rejoin, a summary that agrees with the events), the second command trains on from the
-    step-40 checkpoint to step 60, and the third is one line, exit 0, within seconds, touching
+    step-100 checkpoint to step 120, and the third is one line, exit 0, within seconds, touching
     nothing. No library warning reaches the user."""
     (tmp_path / "configs").symlink_to(ROOT / "configs")
     (tmp_path / "launch").symlink_to(ROOT / "launch")
@@ -168,9 +168,9 @@ def test_the_readme_first_hour_commands_pasted_in_order(tmp_path, demo_data_dir)
         run_dir = tmp_path / argv[argv.index("--run-dir") + 1]
         if len(outs) == 2:  # what the third command must leave untouched
             before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    assert "val_loss @ step    39" in outs[0]  # 0-based, as "step 39 |" and metrics.jsonl
+    assert "val_loss @ step    99" in outs[0]  # 0-based, as "step 99 |" and metrics.jsonl
     assert "1 failure(s), 1 rejoin(s)" in outs[0], outs[0][-2000:]
-    assert "resumed from" in outs[1] and "step_00000040 at step 40" in outs[1], outs[1][-2000:]
+    assert "resumed from" in outs[1] and "step_00000100 at step 100" in outs[1], outs[1][-2000:]
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20
     assert check_summary(run_dir) == []
     lines = [x for x in outs[2].splitlines() if x.strip()]

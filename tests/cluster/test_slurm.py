@@ -39,7 +39,9 @@ import pytest
 from tests.helpers.etcd import needs_etcd
 from tests.helpers.tools import tool_missing
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# One worker runs this module (`--dist loadgroup`): its cluster is a module fixture, and two
+# workers must not install or start Slurm at once.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300), pytest.mark.xdist_group("slurm")]
 
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "cluster" / "slurm_local.sh"

@@ -66,6 +66,7 @@ def _train(engine, logger, hooks, control, start_step: int) -> dict[str, Any]:
             "tokens_per_s": tokens_per_s,
             "step_time_s": result.step_time_s,
             "degraded_microbatches": plan.num_degraded,
+            "global_microbatches": result.global_microbatches,  # trained on, as counted
             **extra,
         }
         util = mfu(tokens_per_s, flops_per_token, engine.ctx.world_size, peak)

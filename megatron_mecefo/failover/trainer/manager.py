@@ -393,7 +393,6 @@ class FailoverManager(RunControl):
             "generation": generation,
             "attempt": attempt,  # with the generation, names the tasks audit's committed rows
             "replicas_alive": m.size,
-            "global_microbatches": result.global_microbatches,
             "job_degraded": bool(self._job_degraded),  # any replica ran degraded micro-batches
         }
 

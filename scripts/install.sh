@@ -1,6 +1,6 @@
 #!/bin/bash
 # Create .venv (if missing) and install megatron-mecefo for CPU development and CI.
-#   bash scripts/install.sh            # runtime + dev (tests) extras
+#   bash scripts/install.sh            # runtime + dev (tests) + peers (torchft: test_peers) extras
 #   MECEFO_EXTRAS=dev,tensorboard bash scripts/install.sh
 # pyproject.toml declares ranges only. The exact versions CI tests are in .ci/constraints.txt:
 #   1. torch (its pin in the constraints file) is installed FIRST, then checked to be a CPU build
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 VENV="${MECEFO_VENV:-.venv}"
-EXTRAS="${MECEFO_EXTRAS:-dev}"
+EXTRAS="${MECEFO_EXTRAS:-dev,peers}"
 CONSTRAINTS="${MECEFO_CONSTRAINTS:-.ci/constraints.txt}"
 MECEFO_TORCH_INDEX="${MECEFO_TORCH_INDEX:-}"  # empty: pip's configured index and find-links
 

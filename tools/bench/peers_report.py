@@ -1,0 +1,171 @@
+"""The columns of the peers benchmark (`peers.py`), computed by one function from every system's
+trace, the table, the loss-vs-wall-clock figure, and the trace of a torchft run (its replicas'
+rows merged into one row per committed step).
+
+A trace: `start` (epoch s), `wall_s`, `rows` (one per committed step, in commit order: `step`,
+`time` epoch s, `loss` of the global batch, `samples` it trained on; a step committed again after
+a rollback has a second row), `kill_times` (epoch s), `uncommitted_attempts` (step attempts the
+system redid without logging them), `global_batch` (samples), `heal_bytes` (None: not reported),
+`val_loss` (None: not measured), `restarts` and `kill_steps` (the schedule).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from bench_common import cell, read_jsonl
+
+
+def torchft_trace(out: Path, replicas: int, start: float, wall_s: float, kills) -> dict:
+    """One row per committed step from the replicas' rows: the latest replica's commit time, the
+    mean local loss of the participating replicas, participants x their batch in samples."""
+    by_step: dict[int, list[dict]] = {}
+    uncommitted = set()
+    val = None
+    for r in range(replicas):
+        for row in read_jsonl(out / f"rows_replica{r}.jsonl"):
+            if "val_loss" in row:
+                val = row["val_loss"]
+            elif not row["committed"]:
+                uncommitted.add(row["step"])
+            elif row["participating"]:
+                by_step.setdefault(row["step"], []).append(row)
+    rows = []
+    for step in sorted(by_step):
+        group = by_step[step]
+        samples = sum(r["samples"] for r in group)
+        rows.append(
+            {
+                "step": step,
+                "time": max(r["time"] for r in group),
+                "loss": statistics.fmean(r["loss"] for r in group),
+                "samples": samples,
+            }
+        )
+    restarts = 0
+    for r in range(replicas):
+        incs = {row.get("incarnation", 0) for row in read_jsonl(out / f"rows_replica{r}.jsonl")}
+        restarts += max(incs, default=0)
+    return {
+        "start": start,
+        "wall_s": wall_s,
+        "rows": rows,
+        "kill_times": list(kills),
+        "uncommitted_attempts": len(uncommitted),
+        "heal_bytes": None,  # torchft does not report what its HTTP transport sent
+        "val_loss": val,
+        "restarts": restarts,
+    }
+
+
+def _step_s(trace: dict) -> float | None:
+    """Median time between consecutive commits before the first kill (step 0 excluded)."""
+    first_kill = min(trace["kill_times"], default=float("inf"))
+    rows = [r for r in trace["rows"] if r["time"] < first_kill]
+    gaps = [
+        b["time"] - a["time"]
+        for a, b in zip(rows, rows[1:], strict=False)
+        if b["step"] == a["step"] + 1 and a["step"] >= 1
+    ]
+    return statistics.median(gaps) if gaps else None
+
+
+def columns(traces: dict[str, dict], baseline: str | None) -> dict[str, dict]:
+    """Every column of every system (the same code for all)."""
+    base_loss = {}
+    if baseline is not None:
+        base_loss = {r["step"]: r["loss"] for r in traces[baseline]["rows"]}
+    base_step = _step_s(traces[baseline]) if baseline is not None else None
+    out = {}
+    for name, t in traces.items():
+        rows = t["rows"]
+        final = {r["step"]: r for r in rows}  # the last commit of each step is what trained on
+        seen: set[int] = set()
+        rolled_back = 0
+        for r in rows:
+            rolled_back += r["step"] in seen
+            seen.add(r["step"])
+        committed = sum(r["samples"] for r in final.values())
+        # what each step trained on against the global batch: short = dropped, over = twice
+        gb = t["global_batch"]
+        dropped = sum(max(0, gb - r["samples"]) for r in final.values())
+        twice = sum(max(0, r["samples"] - gb) for r in final.values())
+        heal = []  # the first commit of the kill's step or a later one, after the kill
+        for k_step, k in zip(t["kill_steps"], t["kill_times"], strict=False):
+            after = [r["time"] for r in rows if r["time"] > k and r["step"] >= k_step]
+            heal.append(min(after) - k if after else None)
+        devs = [abs(r["loss"] - base_loss[s]) for s, r in final.items() if s in base_loss]
+        step_s = _step_s(t)
+        out[name] = {
+            "step_s": step_s,
+            "step_vs_torchrun": step_s / base_step if step_s and base_step else None,
+            "wall_s": t["wall_s"],
+            "steps_committed": len(final),
+            "goodput_samples_per_s": committed / t["wall_s"],
+            "kill_to_next_commit_s": heal,
+            "kills": len(t["kill_times"]),
+            "restarts": t["restarts"],
+            "steps_redone": rolled_back + t["uncommitted_attempts"],
+            "samples_dropped": dropped,
+            "samples_counted_twice": twice,
+            "heal_bytes": t["heal_bytes"],
+            "val_loss": t["val_loss"],
+            "max_loss_dev": max(devs) if devs and name != baseline else None,
+        }
+    return out
+
+
+def _c(value, width: int, spec: str = ".2f", scale: float = 1.0) -> str:
+    return cell(value, spec, scale=scale).rjust(width)
+
+
+def print_table(table: dict[str, dict]) -> None:
+    print(
+        f"{'system':<19}{'step ms':>8}{'vs trun':>8}{'wall s':>7}{'goodput':>8}"
+        f"{'kill->commit s':>16}{'redone':>7}{'dropped':>8}{'heal MB':>8}{'val loss':>9}"
+        f"{'max dev':>8}"
+    )
+    for name, c in table.items():
+        heal = [h for h in c["kill_to_next_commit_s"] if h is not None]
+        heal_s = ",".join(f"{h:.2f}" for h in heal) if heal else "n/a"
+        mb = None if c["heal_bytes"] is None else c["heal_bytes"] / 1e6
+        print(
+            f"{name:<19}{_c(c['step_s'], 8, '.1f', 1000)}{_c(c['step_vs_torchrun'], 8)}"
+            f"{c['wall_s']:7.1f}{c['goodput_samples_per_s']:8.1f}{heal_s:>16}"
+            f"{c['steps_redone']:7d}{c['samples_dropped']:8d}{_c(mb, 8)}"
+            f"{_c(c['val_loss'], 9, '.4f')}{_c(c['max_loss_dev'], 8, '.4f')}"
+        )
+    print(
+        "goodput: committed samples / wall s; kill->commit: from each kill to the next committed "
+        "step; val loss after the last step; max dev: largest |loss - torchrun's| at a step"
+    )
+
+
+def plot(traces: dict[str, dict], path: str) -> None:
+    """Loss against wall-clock seconds since each run started, one line per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, t in traces.items():
+        xs, ys = [], []
+        for i, r in enumerate(t["rows"]):
+            if i and r["step"] <= t["rows"][i - 1]["step"]:  # a rollback: a gap, not a line
+                xs.append(float("nan"))
+                ys.append(float("nan"))
+            xs.append(r["time"] - t["start"])
+            ys.append(r["loss"])
+        (line,) = ax.plot(xs, ys, label=name, lw=1.2)
+        for k in t["kill_times"]:
+            ax.axvline(k - t["start"], color=line.get_color(), ls=":", lw=0.8)
+    ax.set_xlabel("wall-clock s since the run started (dotted: kills)")
+    ax.set_ylabel("training loss (global batch)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -140,12 +140,17 @@ class Agent:
             ),
         }
 
+    @staticmethod
+    def _process_env() -> dict[str, str]:
+        """The agent's environment for a process it starts: one OpenMP thread unless set (a
+        rank per core; torch's default, a thread per core in every rank, oversubscribes)."""
+        return {"OMP_NUM_THREADS": "1", **os.environ}
+
     def _trainer_env(self) -> dict[str, str]:
         """The fork server's environment: the node-wide part of a rank's (`_rank_env`)."""
-        env = {**os.environ, keys.COORDINATOR_ENV: self.address}
+        env = {**self._process_env(), keys.COORDINATOR_ENV: self.address}
         if self.beat_dir is not None:
             env[local_beat.BEAT_DIR_ENV] = str(self.beat_dir)
-        env.setdefault("OMP_NUM_THREADS", "1")
         return env
 
     def _renew_lease(self) -> None:
@@ -181,8 +186,7 @@ class Agent:
             spare.stdin.close()
             self.procs[rank] = spare
         else:
-            env = {**os.environ, **self._rank_env(rank)}
-            env.setdefault("OMP_NUM_THREADS", "1")
+            env = {**self._process_env(), **self._rank_env(rank)}
             cmd = [sys.executable, "-m", "megatron_mecefo.train", *self.args.trainer_args]
             self.procs[rank] = subprocess.Popen(
                 cmd, env=env, start_new_session=True, preexec_fn=ignore_stop_signal
@@ -206,8 +210,7 @@ class Agent:
         self.spares = [p for p in self.spares if p.poll() is None]
         if self.fork_server is not None and self.fork_server.ready is not False:
             return  # the fork server starts any rank warm (None: it is still importing)
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = self._process_env()
         want = self._warm_spares_wanted()
         if self.node is None:  # a standby starts a whole node at once
             want = max(want, self.args.nproc_per_node)

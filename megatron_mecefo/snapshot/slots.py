@@ -214,10 +214,16 @@ class SlotFile:
             SnapshotCorruptError: not clean, truncated, or the CRC (header fields + body) does
                 not match.
         """
-        try:
-            data = bytearray(self.path.read_bytes())
+        try:  # one copy: the file straight into the buffer the tensors are cut from
+            with open(self.path, "rb", buffering=0) as fh:
+                data = bytearray(os.fstat(fh.fileno()).st_size)
+                view, got = memoryview(data), 0
+                while got < len(data) and (n := fh.readinto(view[got:])):  # a read stops at 2 GB
+                    got += n
+                view.release()
         except FileNotFoundError:
             raise SnapshotCorruptError(f"{self.path.name}: no such slot") from None
+        del data[got:]  # the file shrank while read: the checks below refuse it
         head = _parse_header(bytes(data[:HEADER]))
         if head.state != CLEAN:
             raise SnapshotCorruptError(

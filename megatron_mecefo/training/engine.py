@@ -388,7 +388,9 @@ def _sharded_optimizer(ddp, model, membership: Membership, tc, placement: dict[s
     )
 
 
-def _prepare(cfg: RunConfig, ctx: ParallelContext, n: int, data_rank, data_barrier):
+def prepare_run_data(cfg: RunConfig, n: int, *, rank: int, barrier):
+    """The run's data for `n` replicas: every step's global batch indexed, and the validation
+    micro-batches (also what a peer system is given, so that it trains on the same samples)."""
     tc = cfg.training
     return prepare_data(
         cfg.data,
@@ -396,6 +398,11 @@ def _prepare(cfg: RunConfig, ctx: ParallelContext, n: int, data_rank, data_barri
         num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * n,
         num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
         seed=tc.seed,
-        rank=ctx.rank if data_rank is None else data_rank,
-        barrier=data_barrier or ctx.barrier,
+        rank=rank,
+        barrier=barrier,
     )
+
+
+def _prepare(cfg: RunConfig, ctx: ParallelContext, n: int, data_rank, data_barrier):
+    rank = ctx.rank if data_rank is None else data_rank
+    return prepare_run_data(cfg, n, rank=rank, barrier=data_barrier or ctx.barrier)

@@ -54,19 +54,10 @@ def load_cfg(args):
 
 
 def load_data(cfg, replicas: int):
-    """The trainer's data (`engine._prepare` with n = `replicas`), built by this process alone."""
-    from megatron_mecefo.data.pipeline import prepare_data
+    """The trainer's data for `replicas` replicas, built by this process alone."""
+    from megatron_mecefo.training.engine import prepare_run_data
 
-    tc = cfg.training
-    return prepare_data(
-        cfg.data,
-        seq_length=cfg.model.seq_length,
-        num_train_samples=tc.max_steps * tc.micro_batch_size * tc.num_microbatches * replicas,
-        num_valid_samples=tc.eval_microbatches * tc.micro_batch_size,
-        seed=tc.seed,
-        rank=0,
-        barrier=lambda: None,
-    )
+    return prepare_run_data(cfg, replicas, rank=0, barrier=lambda: None)
 
 
 def masked_mean(model, batch):

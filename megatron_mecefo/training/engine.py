@@ -330,7 +330,8 @@ def build_engine(
     tc = cfg.training
     n = membership.num_replicas
     with data_guard() if data_guard is not None else contextlib.nullcontext():
-        data = _prepare(cfg, ctx, n, data_rank, data_barrier)
+        rank = ctx.rank if data_rank is None else data_rank
+        data = prepare_run_data(cfg, n, rank=rank, barrier=data_barrier or ctx.barrier)
     check_vocab(data.tokenizer.vocab_size, cfg.model.vocab_size)
     seed_everything(tc.seed)
     bf16 = resolve_bf16(cfg, ctx)
@@ -401,8 +402,3 @@ def prepare_run_data(cfg: RunConfig, n: int, *, rank: int, barrier):
         rank=rank,
         barrier=barrier,
     )
-
-
-def _prepare(cfg: RunConfig, ctx: ParallelContext, n: int, data_rank, data_barrier):
-    rank = ctx.rank if data_rank is None else data_rank
-    return prepare_run_data(cfg, n, rank=rank, barrier=data_barrier or ctx.barrier)

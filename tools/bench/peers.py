@@ -209,10 +209,12 @@ def run_trainer(name: str, cmd: list[str], run_dir: Path, args, env: dict) -> di
     return {"start": start, "wall_s": wall, "rows": rows, "events": events, "summary": summary}
 
 
-def trainer_trace(raw: dict, kill_times: list[float]) -> dict:
-    """The common trace of a run of our trainer: committed rows (step, time, loss, samples)."""
-    global_batch = raw["global_batch"]
-    per_micro = raw["micro_batch_size"]
+def trainer_trace(
+    raw: dict, ctx: dict, kill_times: list[float], *, restarts=None, live_heal: bool = False
+) -> dict:
+    """The common trace of a run of our trainer: committed rows (step, time, loss, samples).
+    `live_heal`: the rejoins' bytes are what healing moved (not a restart from saved state)."""
+    per_micro = ctx["micro_batch_size"]
     # the samples the step trained on, as the trainer counted them (a takeover or a slice
     # included): its micro-batch count is its sample count over the micro-batch size
     rows = [
@@ -231,12 +233,12 @@ def trainer_trace(raw: dict, kill_times: list[float]) -> dict:
         "start": raw["start"],
         "wall_s": raw["wall_s"],
         "rows": rows,
-        "global_batch": global_batch,
+        "global_batch": ctx["global_batch"],
         "kill_times": kill_times,
         "uncommitted_attempts": fo.get("steps_redone", 0),
-        "heal_bytes": sum(rejoin_bytes) if raw.get("live_heal") and rejoin_bytes else None,
+        "heal_bytes": sum(rejoin_bytes) if live_heal and rejoin_bytes else None,
         "val_loss": val[-1] if val else None,
-        "restarts": raw.get("restarts"),
+        "restarts": restarts,
     }
 
 
@@ -289,9 +291,8 @@ def run_torchrun(args, work: Path, ctx: dict) -> dict:
         ],
     )
     raw = run_trainer("torchrun", cmd, run_dir, args, _env())
-    raw.update(global_batch=ctx["global_batch"], micro_batch_size=ctx["micro_batch_size"])
     ctx["checkpoint_s"] = (raw["summary"].get("checkpoint") or {}).get("mean_save_block_s")
-    return trainer_trace(raw, [])
+    return trainer_trace(raw, ctx, [])
 
 
 def _sync_ckpt(interval: int) -> list[str]:
@@ -325,10 +326,8 @@ def run_checkpoint_restart(args, work: Path, ctx: dict) -> dict:
         "PEERS_DOWN_S": str(args.down_s),
     }
     raw = run_trainer("checkpoint-restart", cmd, run_dir, args, env)
-    raw.update(global_batch=ctx["global_batch"], micro_batch_size=ctx["micro_batch_size"])
     kills = _marker_times(kill_dir)
-    raw["restarts"] = len(kills)
-    trace = trainer_trace(raw, kills)
+    trace = trainer_trace(raw, ctx, kills, restarts=len(kills))
     trace["checkpoint_interval"] = k
     return trace
 
@@ -344,11 +343,9 @@ def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
         train, nproc_per_node=args.replicas, flags=["--restart-delay-s", str(args.down_s)]
     )
     raw = run_trainer(name, cmd, run_dir, args, _env())
-    raw.update(global_batch=ctx["global_batch"], micro_batch_size=ctx["micro_batch_size"])
-    raw["live_heal"] = name != "snapshot-restart"
     kills = _event_kill_times(raw["events"])
-    raw["restarts"] = len(kills)
-    return trainer_trace(raw, kills)
+    live_heal = name != "snapshot-restart"
+    return trainer_trace(raw, ctx, kills, restarts=len(kills), live_heal=live_heal)
 
 
 def run_torchft(args, work: Path, ctx: dict) -> dict:

@@ -31,7 +31,6 @@ A benchmark, not a test: on a loaded 2-core box read the ratios, not the absolut
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import signal
@@ -54,6 +53,7 @@ from tools.bench.bench_common import (  # noqa: E402
     machine,
     mem_available_gb,
     read_jsonl,
+    write_json,
 )
 
 CASES = ("memory", "parity", "disk")
@@ -453,9 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             f"({out['disk_over_memory_with_redo']:.2f}x counting redone steps); goal >= 3x"
         )
     print(f"load average (1 min) during the runs: {min(load):.1f} .. {max(load):.1f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    write_json(out, args.out, blank_line=False)
     return 0 if all(r.get("ok") for r in rows.values()) else 1
 
 

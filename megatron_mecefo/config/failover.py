@@ -27,6 +27,13 @@ class FailoverConfig:
     regroup_timeout_s: float = 120.0
     """Give up (DISTRIBUTED_ERROR) if no usable membership forms within this time, a (re)joining
     replica's state transfer included."""
+    collective_timeout_floor_s: float = 10.0
+    """With gloo, each DP collective of a generation's group times out after max(this, factor x
+    the slowest committed step): the coordinator's hang rule (its --hang-timeout-floor-s; keep
+    the two equal). A reduction abandoned when a member died then ends within this bound, and
+    with it gloo's busy transport thread (`failover/trainer/collectives.py`)."""
+    collective_timeout_factor: float = 5.0
+    """See `collective_timeout_floor_s` (the coordinator's --hang-timeout-factor)."""
     audit: bool = False
     """Write every committed (step, source replica, micro-batch) each rank ran to
     `run_dir/audit/tasks_rank<R>.jsonl` and, at the end, a SHA-256 of each rank's model and
@@ -47,6 +54,8 @@ class FailoverConfig:
             "failure_wait_s",
             "start_timeout_s",
             "regroup_timeout_s",
+            "collective_timeout_floor_s",
+            "collective_timeout_factor",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"failover.{name} must be > 0, got {getattr(self, name)}")

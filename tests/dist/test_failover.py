@@ -6,12 +6,20 @@ bitwise-identical model and optimizer states."""
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections import Counter
 
 import pytest
 
 from megatron_mecefo.errors import ExitCode
-from tests.helpers.launch import LaunchResult, launch
+from tests.helpers.launch import (
+    LaunchResult,
+    gloo_transport_threads,
+    job_processes,
+    launch,
+    wait_for_event,
+)
 from tools.chaos import checks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
@@ -82,16 +90,48 @@ def failure_free(tmp_path_factory, demo_data_dir):
     return res
 
 
-def test_sigkill_spread_equals_failure_free_and_rejoins(tmp_path, demo_data_dir, failure_free):
+def _superseded_groups_go(mark: bytes, groups_seen: list[dict[int, int]]):
+    """A `while_running` hook: once the killed rank has rejoined, every trainer must come down to
+    the same number of gloo groups (megatron's plus the live generation's) within a bound. A
+    survivor that kept a superseded group kept its transport thread, which spins at a full core
+    on the dead peer's unread data (pytorch/gloo#246); the collective bound is 1 s here."""
+
+    def hook(proc, run_dir):
+        wait_for_event(run_dir, "rejoin")
+        deadline = time.monotonic() + 30
+        while True:
+            counts = {p: gloo_transport_threads(p) for p in job_processes(mark)}
+            groups_seen.append(counts := {p: n for p, n in counts.items() if n})
+            if len(counts) == 4 and len(set(counts.values())) == 1:
+                return
+            seen = [c for c in groups_seen if c] or [{}]
+            assert time.monotonic() < deadline, f"superseded gloo groups linger: {seen[-1]}"
+            time.sleep(0.2)
+
+    return hook
+
+
+def test_sigkill_spread_equals_failure_free_and_rejoins(
+    tmp_path, demo_data_dir, failure_free, monkeypatch
+):
     steps = SPREAD_STEPS
+    mark = f"MECEFO_TEST_JOB={uuid.uuid4().hex}"
+    monkeypatch.setenv(*mark.split("="))
+    groups_seen: list[dict[int, int]] = []
     res = launch(
         tmp_path,
         demo_data_dir,
         steps=steps,
         inject=("kill:2:5:3",),
-        overrides=("mecefo.takeover_policy=spread",),
+        overrides=(
+            "mecefo.takeover_policy=spread",
+            "failover.collective_timeout_floor_s=1",
+            "failover.collective_timeout_factor=2",
+        ),
         until_rejoined=True,
+        while_running=_superseded_groups_go(mark.encode(), groups_seen),
     )
+    assert groups_seen, res.explain()
     fo = assert_recovered(res, steps=steps)
     assert fo["steps_redone"] >= 1  # the step the rank died in was rolled back and redone
     # spread runs the same global batch with exact gradients: the same curve up to the order of

@@ -378,6 +378,22 @@ def job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:
     return found
 
 
+def gloo_transport_threads(pid: int) -> int:
+    """How many gloo transport threads (`gloo_tcp_loop`, one per live gloo group) `pid` has."""
+    n = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                n += fh.read().strip() == "gloo_tcp_loop"
+        except OSError:
+            pass  # the thread ended meanwhile
+    return n
+
+
 def launch_script(
     tmp_path: Path,
     demo_data_dir: str,

@@ -16,6 +16,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as c10d
 
 _WAIT_SLICE = timedelta(milliseconds=20)
 
@@ -107,24 +108,50 @@ def _wait_gloo(work, what: str, lost: Lost) -> str | None:
 
 
 class AbortableCollectives:
-    """The live membership's collectives (`training.membership.Collectives`)."""
+    """The live membership's collectives (`training.membership.Collectives`).
 
-    def __init__(self, backend: str, lost: Lost, on_reduce: Callable[[], None]):
+    Two things keep an abandoned gloo collective from lingering (its group's transport thread
+    can spin on a dead peer's unread data until the collective times out, pytorch/gloo#246):
+    - none is issued on a generation already lost (every member leaves that group anyway);
+    - `timeout()` bounds each one (`CollectiveBound`); None means the group's own timeout.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        lost: Lost,
+        on_reduce: Callable[[], None],
+        timeout: Callable[[], timedelta | None] = lambda: None,
+    ):
         self.backend = backend
         self.lost = lost
         self.on_reduce = on_reduce
+        self.timeout = timeout
         self.failed: str | None = None
 
     def reset(self) -> None:
         self.failed = None
 
+    def _skip(self, what: str) -> bool:
+        why = self.lost()
+        if why is None:
+            return False
+        self.failed = self.failed or f"{what} not issued: {why}"
+        return True
+
     def all_reduce(self, tensor: torch.Tensor, group) -> bool:
-        # issued even after a failure in this step: every member must run the same sequence of
-        # collectives on the group, or a later one would pair with a different one elsewhere
+        # issued even after a failure in this step (every member must run the same sequence of
+        # collectives on the group, or a later one would pair with a different one elsewhere),
+        # but not once a newer generation dropped a member: then nobody uses this group again
         self.on_reduce()
+        if self._skip("all-reduce"):
+            return False
         stage = tensor.clone()  # an abandoned collective may still write into its buffer later
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
+        timeout = self.timeout()
+        if timeout is not None:
+            opts.timeout = timeout
         error = wait_work(
             group.allreduce([stage], opts), "all-reduce", backend=self.backend, lost=self.lost
         )
@@ -136,9 +163,15 @@ class AbortableCollectives:
 
     def all_gather(self, out: torch.Tensor, tensor: torch.Tensor, group) -> bool:
         # issued after a failure too, like all_reduce: the members' sequences must stay aligned
+        if self._skip("all-gather"):
+            return False
         stage = torch.empty_like(out)
+        opts = c10d.AllgatherOptions()
+        timeout = self.timeout()
+        if timeout is not None:
+            opts.timeout = timeout
         error = wait_work(
-            group._allgather_base(stage, tensor.contiguous()),
+            group._allgather_base(stage, tensor.contiguous(), opts),
             "all-gather",
             backend=self.backend,
             lost=self.lost,
@@ -148,3 +181,24 @@ class AbortableCollectives:
             return False
         out.copy_(stage)
         return True
+
+
+class CollectiveBound:
+    """The bound on one gloo collective of a generation's group: max(floor, factor x the slowest
+    committed step so far), the coordinator's hang rule (`DetectorConfig`). A reduction that
+    waits longer has a member that the coordinator declares hung anyway. None until a step was
+    timed (the first step's compiles and set-up keep the group's own timeout), and for NCCL,
+    whose superseded groups are aborted instead (`groups.retire_group`)."""
+
+    def __init__(self, backend: str, floor_s: float, factor: float):
+        self.enabled = backend == "gloo"
+        self.floor_s, self.factor = floor_s, factor
+        self.slowest_s = 0.0
+
+    def step_took(self, seconds: float) -> None:
+        self.slowest_s = max(self.slowest_s, seconds)
+
+    def __call__(self) -> timedelta | None:
+        if not self.enabled or self.slowest_s <= 0:
+            return None
+        return timedelta(seconds=max(self.floor_s, self.factor * self.slowest_s))

@@ -7,8 +7,12 @@ no dead rank). A superseded group must not linger:
   superseded NCCL group is *aborted* (`ncclCommAbort` under the hood, as torchft does when it
   reconfigures) and then dropped, which destroys it. An abort that itself hangs is bounded; the
   group is then kept (never destroyed while it may still run) and the caller is told.
-- gloo: its destructor may wait on hung work, so a superseded gloo group is kept, never destroyed
-  (the trainer ends with `os._exit`).
+- gloo: its destructor waits for the group's running work, so a superseded gloo group is dropped
+  from a daemon thread (`release_in_background`). Its work cannot hang longer than its timeout,
+  which the failover collectives bound (`collectives.CollectiveBound`). A group kept alive
+  instead would keep its transport thread: with unread data from a dead peer at the head of a
+  socket, gloo's event loop spins on it at a full core until that work times out
+  (pytorch/gloo#246), and each failure adds one.
 The NCCL watchdog policy is set explicitly (`NCCL_POLICY`): on an error or timeout the watchdog
 aborts the communicator and the collective fails (the step is redone on the next generation); it
 never tears the surviving process down, which torch's default does.
@@ -17,7 +21,9 @@ never tears the surviving process down, which torch's default does.
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable, MutableMapping
 from datetime import timedelta
 from typing import Any
@@ -93,15 +99,16 @@ def retire_group(
     log: Callable[[str], None] = print,
 ) -> bool:
     """Dispose of a superseded generation's group. NCCL: abort it (bounded by `timeout_s`) and
-    drop it; gloo, or an NCCL abort that did not return in time: keep it in `graveyard`.
+    drop it; an NCCL abort that did not return in time: keep it in `graveyard`; gloo: drop it
+    from a daemon thread (`release_in_background`; the caller must hold no other reference).
 
     Returns True when the group is gone (aborted and released, or there was none).
     """
     if group is None:
         return True
     if backend != "nccl":
-        graveyard.append(group)
-        return False
+        release_in_background(group)
+        return True
     abort = _abort_method(group)
     if abort is None:
         log("[failover] this torch's NCCL group has no abort(); keeping the superseded group")
@@ -128,6 +135,24 @@ def retire_group(
     if errors:  # an abort that raised has still torn the communicator down or never had one
         log(f"[failover] abort of a superseded NCCL group raised: {errors[0]}")
     return True  # no reference kept: the group (and its communicators) is destroyed
+
+
+def release_in_background(group: Any, *, settle_s: float = 5.0) -> threading.Thread:
+    """Drop a superseded gloo group from a daemon thread, so that its destructor (which waits for
+    hung work up to the group timeout) never blocks the trainer. The thread first waits (at most
+    `settle_s`) until it holds the last Python reference, so the destructor runs there."""
+    box = [group]
+    del group
+
+    def run() -> None:
+        deadline = time.monotonic() + settle_s
+        while sys.getrefcount(box[0]) > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        box.clear()
+
+    thread = threading.Thread(target=run, name="mecefo-gloo-release", daemon=True)
+    thread.start()
+    return thread
 
 
 def _abort_method(group: Any) -> Callable[[], Any] | None:

@@ -37,7 +37,7 @@ from megatron_mecefo.data.build_lock import shared_preparation
 from megatron_mecefo.errors import DistributedSetupError, QuorumTimeoutError
 from megatron_mecefo.failover.liveness.heartbeat import Heartbeat
 from megatron_mecefo.failover.trainer import groups
-from megatron_mecefo.failover.trainer.collectives import AbortableCollectives
+from megatron_mecefo.failover.trainer.collectives import AbortableCollectives, CollectiveBound
 from megatron_mecefo.failover.trainer.commit import CommitVote
 from megatron_mecefo.failover.trainer.membership import LiveMembership
 from megatron_mecefo.failover.trainer.plane import ControlPlane, JobDone
@@ -93,13 +93,17 @@ class FailoverManager(RunControl):
         # a restarted rank continues the current line, never a rollback the command line asked for
         self.resume = cfg.checkpoint.resume if incarnation == 0 else "auto"
         self.plane = ControlPlane(address, fcfg.coordinator_timeout_s, incarnation=incarnation)
+        self.bound = CollectiveBound(
+            backend, fcfg.collective_timeout_floor_s, fcfg.collective_timeout_factor
+        )
+        self._step_began = 0.0
         self.membership = LiveMembership(
             num_replicas=world_size // per_replica,
             replica=self.replica,
             members=(self.replica,),
             group=None,
             generation=0,
-            collectives=AbortableCollectives(backend, self._lost, self._reducing),
+            collectives=AbortableCollectives(backend, self._lost, self._reducing, self.bound),
         )
         self.vote = CommitVote(
             self.plane,
@@ -366,6 +370,7 @@ class FailoverManager(RunControl):
             self.vote.pending = None
             self.regroup.adopt(engine, gen, key, is_leader=lambda: self.is_leader)
         self.plane.set_phase("compute", step)
+        self._step_began = time.monotonic()
         self._step_plan = self._plan(step) or engine.default_plan()
         return self._step_plan
 
@@ -384,6 +389,7 @@ class FailoverManager(RunControl):
                 )
             return {}
         self.plane.next_step = result.step + 1
+        self.bound.step_took(time.monotonic() - self._step_began)
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and train_state.is_sharded(engine.optimizer):

@@ -3,8 +3,8 @@
 A generation's group is built directly on a `PrefixStore` (`groups.py`), because
 `torch.distributed.new_group` would need the dead rank. Building it runs in a helper thread while
 this one watches for a newer generation (retarget it), the end of the job, and the regroup
-timeout. The old group is retired (NCCL: aborted; gloo: kept, never destroyed under hanging
-work). Then `transfer.StateSync` sends the newest state to members that lack it.
+timeout. The old group is retired (NCCL: aborted; gloo: released from a daemon thread once its
+bounded work ends). Then `transfer.StateSync` sends the newest state to members that lack it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Regroup:
         self.log = log
         self.count = 0
         """Generations formed by this process."""
-        self._graveyard: list[Any] = []  # abandoned groups: never destroyed while work may hang
+        self._graveyard: list[Any] = []  # NCCL groups whose abort hung: never destroyed
 
     def adopt(self, engine, gen: int, key: str, *, is_leader) -> None:
         """Form generation `gen` (or a newer one if it is superseded meanwhile) on store prefix
@@ -124,7 +124,9 @@ class Regroup:
 
     def _install(self, gen: int, members: tuple[int, ...], group) -> None:
         m = self.membership
-        if m.group is not None:  # NCCL: aborted and destroyed; gloo: kept (groups.py)
-            groups.retire_group(m.group, self.backend, self._graveyard, log=self.log)
+        old, m.group = m.group, None
+        if old is not None:  # NCCL: aborted and destroyed; gloo: released in a thread (groups.py)
+            groups.retire_group(old, self.backend, self._graveyard, log=self.log)
+        del old
         m.generation, m.members, m.group = gen, members, group
         m.begin_attempt()

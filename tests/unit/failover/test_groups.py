@@ -1,7 +1,9 @@
-"""Superseded process groups (failover/trainer/groups.py) on CPU with stand-in groups: an NCCL
-group is aborted and released when a generation replaces it (`Regroup._install` does this), a gloo
-group is kept, an abort that hangs is bounded; the NCCL watchdog policy is set explicitly without
-overriding a site's values, and matches the block pretrain.sbatch exports. The real NCCL path is
+"""Superseded process groups (failover/trainer/groups.py) on CPU: an NCCL stand-in group is
+aborted and released when a generation replaces it (`Regroup._install` does this), an abort that
+hangs is bounded; a real gloo group's abandoned collective ends within the failover bound and the
+superseded group, released from a thread, takes its transport thread with it; the NCCL watchdog
+policy is set explicitly without overriding a site's values, and matches the block pretrain.sbatch
+exports. The real NCCL path is
 tests/gpu/test_nccl_groups_gpu.py."""
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_mecefo.failover.trainer import groups
+from megatron_mecefo.failover.trainer.collectives import AbortableCollectives, CollectiveBound
 from megatron_mecefo.failover.trainer.regroup import Regroup
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,10 +51,82 @@ def test_superseded_nccl_group_is_aborted_and_released():
     assert ref() is None  # nothing holds it: torch destroys the communicator
 
 
-def test_superseded_gloo_group_is_kept_never_aborted():
-    graveyard, group = [], FakeGroup()
-    assert groups.retire_group(group, "gloo", graveyard) is False
-    assert graveyard == [group] and not group.aborted.is_set()
+def _gloo_loops() -> int:
+    """This process's gloo transport threads (one per live gloo group)."""
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            n += Path(f"/proc/self/task/{tid}/comm").read_text().strip() == "gloo_tcp_loop"
+        except OSError:
+            pass  # the thread ended meanwhile
+    return n
+
+
+def test_a_superseded_gloo_group_ends_its_bounded_work_and_goes_with_its_thread():
+    """Two ranks of a real gloo group in one process (threads): rank 0 reduces, rank 1 never
+    does (it died). The reduction fails within the failover bound, not the group's 20 s; both
+    groups are then retired and their transport threads end (a kept group keeps its thread, which
+    spins at a full core on a dead peer's unread data: pytorch/gloo#246)."""
+    store, built = dist.HashStore(), [None, None]
+    before = _gloo_loops()
+
+    def build(rank: int) -> None:
+        built[rank] = dist.ProcessGroupGloo(
+            dist.PrefixStore("g", store), rank, 2, timedelta(seconds=20)
+        )
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(30) for t in threads]
+    assert _gloo_loops() == before + 2
+    bound = CollectiveBound("gloo", floor_s=0.5, factor=5.0)
+    assert bound() is None  # no step timed yet: the group's own timeout
+    bound.step_took(0.05)
+    assert bound() == timedelta(seconds=0.5)
+    coll = AbortableCollectives("gloo", lambda: None, lambda: None, bound)
+    start = time.monotonic()
+    assert coll.all_reduce(torch.ones(8), built[0]) is False
+    assert "Timed out" in coll.failed and time.monotonic() - start < 5.0, coll.failed
+    graveyard = []
+    while built:
+        assert groups.retire_group(built.pop(), "gloo", graveyard) is True
+    assert graveyard == []
+    deadline = time.monotonic() + 10
+    while _gloo_loops() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gloo_loops() == before
+
+
+def test_the_bound_follows_the_slowest_step_and_leaves_nccl_alone():
+    bound = CollectiveBound("gloo", floor_s=10.0, factor=5.0)
+    bound.step_took(1.0)
+    assert bound() == timedelta(seconds=10)  # the floor
+    bound.step_took(4.0)
+    bound.step_took(0.5)
+    assert bound() == timedelta(seconds=20)  # 5 x the slowest step
+    nccl = CollectiveBound("nccl", floor_s=10.0, factor=5.0)
+    nccl.step_took(4.0)
+    assert nccl() is None  # superseded NCCL groups are aborted instead
+
+
+def test_no_collective_is_issued_on_a_lost_generation():
+    """Once a newer generation dropped a member, nobody uses the old group again: a collective
+    issued there would only add work that waits on the dead peer."""
+
+    class Refuses:
+        def allreduce(self, *a):
+            raise AssertionError("issued on a lost generation")
+
+        _allgather_base = allreduce
+
+    reduced = []
+    coll = AbortableCollectives(
+        "gloo", lambda: "generation 2 removed replicas [1]", lambda: reduced.append(1)
+    )
+    assert coll.all_reduce(torch.ones(2), Refuses()) is False
+    assert coll.all_gather(torch.ones(4), torch.ones(2), Refuses()) is False
+    assert coll.failed == "all-reduce not issued: generation 2 removed replicas [1]"
+    assert reduced == [1]  # the reduce phase is still reported
 
 
 def test_abort_that_hangs_is_bounded_and_the_group_kept():
@@ -77,7 +153,7 @@ def test_regroup_install_aborts_the_previous_nccl_group():
     assert membership.group is new and membership.generation == 2 and resets == [1]
     fake.backend, membership.group = "gloo", old
     Regroup._install(fake, 3, (0,), new)
-    assert fake._graveyard == [old]
+    assert fake._graveyard == [] and membership.group is new  # gloo: released, never kept
 
 
 def test_policy_is_explicit_and_a_site_value_wins():

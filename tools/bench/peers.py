@@ -153,9 +153,10 @@ def _env() -> dict:
 
 def _tail(path: Path, pos: tuple[int, int], now: float, out: list[dict]) -> tuple[int, int]:
     """Append the new complete lines of `path` to `out`, each stamped `seen` = now. `pos`:
-    (inode, offset). A new file (a run started over) is read from its start; one truncated in
-    place (a resume keeps the rows before its checkpoint) from its new end: those rows are
-    history, not steps run again."""
+    (inode, offset). A file truncated in place (a resume keeps the rows before its checkpoint)
+    is read on from its new end; a file replaced (a new inode: a run started over, or in-job
+    recovery rewriting the rows it keeps) from its start, skipping rows already seen as they
+    are (kept history, not steps run again: a step run again has its own timings)."""
     try:
         with open(path) as fh:
             st = os.fstat(fh.fileno())
@@ -164,10 +165,15 @@ def _tail(path: Path, pos: tuple[int, int], now: float, out: list[dict]) -> tupl
             chunk = fh.read()
     except FileNotFoundError:
         return pos
+    known = set()
+    if st.st_ino != pos[0] and pos[0] != 0:
+        known = {json.dumps({k: v for k, v in r.items() if k != "seen"}) for r in out}
     lines = chunk.split("\n")
     for line in lines[:-1]:
         if line.strip():
-            out.append({**json.loads(line), "seen": now})
+            row = json.loads(line)
+            if json.dumps(row) not in known:
+                out.append({**row, "seen": now})
     return st.st_ino, offset + len(chunk) - len(lines[-1])
 
 

@@ -37,6 +37,10 @@ class ExitCode(enum.IntEnum):
     """A stop was requested (SIGUSR1 to `mecefo-launch` or to the trainers, e.g. Slurm's warning
     before the time limit): every rank stopped at the same step after a final checkpoint. Requeue
     the job to resume from it."""
+    EVICTED = 11
+    """This rank's step reproduced a numerical fault (NaN/Inf) that a healthy peer did not on the
+    same inputs (`failover/trainer/rerun.py`): the rank is evicted, never restarted in place; the
+    survivors take over its micro-batches (10 is the precheck's "already complete")."""
 
 
 class MecefoError(Exception):
@@ -96,3 +100,16 @@ class CheckpointError(MecefoError):
 
 class SnapshotCorruptError(CheckpointError):
     """An in-memory snapshot failed its checksum."""
+
+
+class EvictedError(MecefoError):
+    """This rank is evicted for a persistent numerical fault (`ExitCode.EVICTED`)."""
+
+    exit_code = ExitCode.EVICTED
+
+
+class NumericalFaultError(MecefoError):
+    """A step's loss or gradients stayed NaN/Inf on every attempt, with no peer to tell a data
+    fault from a device fault (a run without failover)."""
+
+    exit_code = ExitCode.DATA_ERROR

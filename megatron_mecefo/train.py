@@ -81,8 +81,13 @@ def _failover_control(cfg, args: argparse.Namespace):
     incarnation = int(os.environ.get(INCARNATION_ENV, 0))
     specs = inject.specs_of(args.inject, args.failures, cfg, world)
     injector = None
-    if any(s.rank == rank for s in specs):
-        injector = inject.Injector(specs, keys.connect(address, 5.0), rank, incarnation)
+    if inject.Injector.wanted(specs, rank):
+        replica_size = cfg.parallel.tensor_model_parallel_size * (
+            cfg.parallel.pipeline_model_parallel_size
+        )
+        injector = inject.Injector(
+            specs, keys.connect(address, 5.0), rank, incarnation, replica_size
+        )
     manager = FailoverManager(
         cfg,
         address=address,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megatron_mecefo.config.anomaly import AnomalyConfig
 from megatron_mecefo.config.checkpoint import CheckpointConfig
 from megatron_mecefo.config.failover import FailoverConfig
 from megatron_mecefo.config.snapshot import RecoveryConfig, SnapshotConfig
@@ -42,6 +43,8 @@ class RunConfig:
     """In-memory snapshots (shared memory per node, erasure-coded across nodes)."""
     recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
     """Failover (keep training) or checkpoint-restart, and the recovery order."""
+    anomaly: AnomalyConfig = dataclasses.field(default_factory=AnomalyConfig)
+    """NaN/Inf in a step: voted down, rerun and classified inside the job (`docs/anomalies.md`)."""
 
     def __post_init__(self) -> None:
         if not self.run_dir:

@@ -185,6 +185,23 @@ def decision(gen: int, step: int, attempt: int) -> str:
     return f"decision/{gen}/{step}/{attempt}"
 
 
+def anomaly(gen: int, step: int, attempt: int, replica: int) -> str:
+    """Set by replica `replica`'s ranks before they vote (gen, step, attempt) down for NaN/Inf;
+    the value says what was not finite."""
+    return f"anomaly/{gen}/{step}/{attempt}/{replica}"
+
+
+def anomalies(gen: int, step: int, attempt: int) -> str:
+    """Counter of votes of (gen, step, attempt) cast with an anomaly (TP x PP > 1)."""
+    return f"anomalies/{gen}/{step}/{attempt}"
+
+
+def rerun_verdict(step: int, replica: int, check: int) -> str:
+    """The healthy peer's recomputation of replica `replica`'s micro-batches of `step` (its
+    `check`-th): a JSON list of `finite` flags, one per micro-batch."""
+    return f"rerun/{step}/{replica}/{check}"
+
+
 def event(index: int) -> str:
     return f"ev/{index}"
 

@@ -190,6 +190,8 @@ class PlanGradReducer:
             else []
         )
         """The parameters `attention_grad_scale` applies to (held on a step with E = 0)."""
+        self.check_grad: Callable[[torch.Tensor], None] | None = None
+        """Sees each local gradient buffer before it is scaled and reduced (NaN/Inf checks)."""
 
     @staticmethod
     def _build_masks(ddp, is_masked_param) -> list[torch.Tensor | None]:
@@ -216,6 +218,8 @@ class PlanGradReducer:
         buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
         for i, buffer in enumerate(buffers):
             grad = buffer.grad_data
+            if self.check_grad is not None:
+                self.check_grad(grad)
             mask = self._masks[i] if self._masks else None
             if mask is None or self.attention_grad_scale == self.grad_scale:
                 grad.mul_(self.grad_scale)

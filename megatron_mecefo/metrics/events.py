@@ -6,7 +6,11 @@ One JSON object per line. Required fields:
   type        one of failure, detection, regroup, takeover, rejoin, restart, checkpoint, abort,
               recovery, coordinator_restart, node_lost, node_replaced, step_redone (a step
               attempt the members voted not to commit: it is redone under the next plan; one
-              per aborted attempt, `generation` = the attempt's, extra `attempt`)
+              per aborted attempt, `generation` = the attempt's, extra `attempt`), shard_adopt,
+              rollback, and the numerical faults (`failover/trainer/rerun.py`): anomaly (a
+              replica's NaN/Inf, `detail` says what), rerun, classified (extra `kind`: transient,
+              data or persistent; data names `microbatches`, `samples`, `samples_skipped`),
+              evicted
   step        training step at which the event happened (int >= 0)
   dp_rank     DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint, ...);
               failure and rejoin events always name one
@@ -51,6 +55,10 @@ EVENT_TYPES = (
     "step_redone",
     "shard_adopt",
     "rollback",
+    "anomaly",
+    "rerun",
+    "classified",
+    "evicted",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

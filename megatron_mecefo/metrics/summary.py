@@ -27,6 +27,10 @@ COUNTED = (
     ("steps_redone", "step_redone"),
     ("nodes_lost", "node_lost"),
     ("nodes_replaced", "node_replaced"),
+    ("anomalies", "anomaly"),
+    ("reruns", "rerun"),
+    ("classified", "classified"),
+    ("evictions", "evicted"),
 )
 """Summary counters (failover.<key>) that are the number of events of a type."""
 
@@ -102,6 +106,12 @@ def event_counts(events: list[dict]) -> dict[str, Any]:
     out["rejoin_bytes"] = sum(int(e.get("bytes") or 0) for e in rejoins)
     transfers = [e["transfer_ms"] for e in rejoins if e.get("transfer_ms") is not None]
     out["rejoin_s"] = round(max(transfers) / 1000, 3) if transfers else None
+    # micro-batches classified as bad data and skipped on purpose (not lost to a failure)
+    out["microbatches_skipped"] = sum(
+        len(e.get("microbatches") or [])
+        for e in events
+        if e.get("type") == "classified" and e.get("kind") == "data"
+    )
     return out
 
 
@@ -150,10 +160,13 @@ def job_wide(
                 else {}
             ),
             "steps_degraded": sum(1 for r in rows if r.get("job_degraded")),
+            # the shortfall against n x M micro-batches that no failover explains: a skipped
+            # bad micro-batch (`microbatches_skipped`) was dropped on purpose
             "samples_lost": sum(
                 max(0, expected_microbatches - r.get("global_microbatches", expected_microbatches))
                 for r in rows
-            ),
+            )
+            - (event_counts(events)["microbatches_skipped"] if events is not None else 0),
         }
     return out
 
@@ -205,7 +218,13 @@ def check_summary(run_dir: Path) -> list[str]:
                 f"failover.{key} has {len(fo.get(key) or [])} latencies but "
                 f"events.jsonl has {len(expected[key])} {kind} events"
             )
-    for key in ("full_strength_ms_max", "full_strength_ms_median", "rejoin_bytes", "rejoin_s"):
+    for key in (
+        "full_strength_ms_max",
+        "full_strength_ms_median",
+        "rejoin_bytes",
+        "rejoin_s",
+        "microbatches_skipped",
+    ):
         if fo.get(key) != expected[key]:
             out.append(f"failover.{key} = {fo.get(key)} but events.jsonl says {expected[key]}")
     degraded = sum(1 for r in rows if r.get("job_degraded"))

@@ -16,6 +16,10 @@ state transfer. Kinds:
   starve     not a failure: a C call holds the interpreter lock for STARVE_S seconds (as a
              native extension may), so the heartbeat thread is silent while the process lives;
              the rank must be judged slow, not dead
+  nan        a silent numerical fault: the rank's outputs turn NaN (`training/anomaly.py`).
+             `nan:RANK:STEP` poisons one attempt of STEP (transient); `nan:RANK:STEP:persistent`
+             every attempt from STEP on (a faulty device); `nan:RANK:STEP:data` the micro-batches
+             of RANK's replica at STEP, on whichever rank computes them (bad data)
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from megatron_mecefo.control import keys
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.training.hooks import TrainHook
 
-KINDS = ("kill", "hang", "exception", "stall", "starve")
+KINDS = ("kill", "hang", "exception", "stall", "starve", "nan")
+NAN_MODES = ("persistent", "data")
 STARVE_S = 8
 AT_REJOIN = -1
 """`InjectionSpec.step` of a failure during a rejoin's state transfer."""
@@ -49,14 +54,24 @@ class InjectionSpec:
     """Step at whose start it fires, or AT_REJOIN."""
     down_steps: int | None = None
     """Steps until the agent restarts the rank (None: its restart delay)."""
+    mode: str | None = None
+    """`nan` only: None (one attempt), `persistent` or `data` (`NAN_MODES`)."""
 
 
 def parse_inject(text: str) -> InjectionSpec:
     """`KIND:RANK:STEP[:DOWN_STEPS]` -> spec; a malformed value is a one-line ConfigError."""
     parts = text.split(":")
-    usage = f"--inject {text!r}: expected KIND:RANK:STEP[:DOWN_STEPS] with KIND in {KINDS}"
+    usage = (
+        f"--inject {text!r}: expected KIND:RANK:STEP[:DOWN_STEPS] with KIND in {KINDS}, "
+        f"or nan:RANK:STEP[:{'|'.join(NAN_MODES)}]"
+    )
     if len(parts) not in (3, 4) or parts[0] not in KINDS:
         raise ConfigError(usage)
+    mode = None
+    if parts[0] == "nan" and len(parts) == 4:
+        if parts[3] not in NAN_MODES:
+            raise ConfigError(usage)
+        mode = parts.pop()
     if not all(p.isdigit() for p in parts[1:] if p != "rejoin"):  # int() would take " 1", "+1"
         raise ConfigError(f"{usage}; RANK, STEP and DOWN_STEPS are plain numbers")
     try:
@@ -67,7 +82,10 @@ def parse_inject(text: str) -> InjectionSpec:
         raise ConfigError(usage) from None
     if nums[0] < 0 or nums[1] < AT_REJOIN or (len(nums) == 3 and nums[2] < 1):
         raise ConfigError(f"{usage}; RANK and STEP must be >= 0 and DOWN_STEPS >= 1")
-    return InjectionSpec(parts[0], nums[0], nums[1], nums[2] if len(nums) == 3 else None)
+    if parts[0] == "nan" and nums[1] == AT_REJOIN:
+        raise ConfigError(f"{usage}; a nan injection needs a step number")
+    down = nums[2] if len(nums) == 3 else None
+    return InjectionSpec(parts[0], nums[0], nums[1], down, mode)
 
 
 def from_scenario(path: str, tp_size: int) -> list[InjectionSpec]:
@@ -121,15 +139,29 @@ def check_steps(specs: list[InjectionSpec], max_steps: int) -> None:
 
 
 class Injector(TrainHook):
-    """Fires this rank's injections (each once per job, claimed through the store)."""
+    """Fires this rank's injections (each once per job, claimed through the store), and marks
+    the bad data of every `nan:...:data` injection on every rank (data is bad wherever it goes)."""
 
-    def __init__(self, specs, store, rank: int, incarnation: int):
-        self.specs = [s for s in specs if s.rank == rank]
+    def __init__(self, specs, store, rank: int, incarnation: int, replica_size: int = 1):
+        self.specs = [s for s in specs if s.rank == rank and s.mode != "data"]
+        self.data = [s for s in specs if s.mode == "data"]
         self.store = store
         self.rank = rank
         self.incarnation = incarnation
+        self.replica_size = replica_size
+        self._engine = None
+        self._fired: set[InjectionSpec] = set()
+
+    @staticmethod
+    def wanted(specs, rank: int) -> bool:
+        """Does `rank` need an injector for `specs`?"""
+        return any(s.rank == rank or s.mode == "data" for s in specs)
 
     def before_step(self, engine, step: int) -> None:
+        for spec in self.data:
+            if spec.step == step:
+                engine.anomaly.poison_data.add((step, spec.rank // self.replica_size))
+        self._engine = engine
         self.maybe_fire(step)
 
     def at_rejoin(self) -> None:
@@ -140,12 +172,15 @@ class Injector(TrainHook):
         for spec in self.specs:
             if spec.step != step:
                 continue
+            if spec in self._fired:  # a redo of the step in this process (nan)
+                continue
             mine = str(self.incarnation)
             if (
                 self.store.compare_set(keys.inject_claim(self.rank, step), "", mine).decode()
                 != mine
             ):
                 continue  # an earlier incarnation already fired it
+            self._fired.add(spec)
             self._fire(spec, step)
 
     def _fire(self, spec: InjectionSpec, step: int) -> None:
@@ -165,6 +200,12 @@ class Injector(TrainHook):
         elif spec.kind == "stall":
             while True:
                 time.sleep(3600)
+        elif spec.kind == "nan":
+            guard = self._engine.anomaly
+            if spec.mode == "persistent":
+                guard.poison_from = step
+            else:
+                guard.poison_attempts = 1
         elif spec.kind == "starve":
             import ctypes
 

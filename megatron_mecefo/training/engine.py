@@ -34,6 +34,7 @@ from megatron_mecefo.mcore.parallel import (
 )
 from megatron_mecefo.mecefo import install_degraded_mode
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
+from megatron_mecefo.training.anomaly import AnomalyGuard
 from megatron_mecefo.training.lr_schedule import lr_at
 from megatron_mecefo.training.membership import Membership
 
@@ -88,6 +89,9 @@ class Engine:
         self.controller = controller
         self.reducer = reducer
         self.membership = membership
+        self.anomaly = AnomalyGuard(cfg.anomaly.enabled)
+        """This rank's NaN/Inf verdict on each step attempt (`training/anomaly.py`)."""
+        reducer.check_grad = self.anomaly.check_grad
         self.before_update: list[Callable[[], None]] = []
         """Called just before the optimizer update of a committed step (a snapshot still copying
         the previous state waits here)."""
@@ -127,6 +131,7 @@ class Engine:
         stack.set_lr(self.optimizer, lr, tc.weight_decay)
         self.controller.on_step_start(step)
         self.membership.begin_attempt()
+        self.anomaly.begin_attempt(step)
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
@@ -146,10 +151,13 @@ class Engine:
             micro_batch_size=tc.micro_batch_size,
         )
         self.controller.set_degraded(False)
+        self.anomaly.check_losses([float(o["loss"]) for o in outputs])
         loss, global_samples = self._global_mean_loss(outputs)
         # a rank whose last parameter all-gather failed has stale parameters: never commit on them
         fresh = not getattr(self.optimizer, "stale", False)
-        committed = self.membership.commit(step, self.membership.failed is None and fresh)
+        committed = self.membership.commit(
+            step, self.membership.failed is None and fresh, anomaly=self.anomaly.reason
+        )
         updated, grad_norm = False, 0.0
         if committed:
             for wait in self.before_update:
@@ -197,10 +205,15 @@ class Engine:
             num_replicas=plan.num_replicas,
         )
 
-    def _forward_step(self, data_iterator, model, *, sampler, step: int, loss_scale: float):
+    def _forward_step(
+        self, data_iterator, model, *, sampler, step: int, loss_scale: float, training=True
+    ):
         """megatron forward_step_func: one micro-batch in the mode its task asks for."""
         task: MicroBatchTask = next(data_iterator)
         batch = sampler.get(step, task.source_dp_rank, task.micro_index, task.samples)
+        skipped = training and self.anomaly.is_skipped(step, task.source_dp_rank, task.micro_index)
+        if skipped:  # bad data: a zero-weight stand-in keeps the slot (and the collectives)
+            batch = {k: torch.zeros_like(v) for k, v in batch.items()}
         # a slice divides by its whole micro-batch's loss tokens: its share, not its own mean
         denominator = (
             sampler.loss_tokens(step, task.source_dp_rank, task.micro_index)
@@ -214,7 +227,11 @@ class Engine:
         labels = batch["labels"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         output = model(tokens, position_ids, None, labels=labels)
-        return output, functools.partial(_masked_mean_loss, loss_mask, loss_scale, denominator)
+        if training and not skipped and self.anomaly.poisoned(step, task.source_dp_rank):
+            output = output * math.nan  # an injected fault (`--inject nan:...`)
+        return output, functools.partial(
+            _masked_mean_loss, loss_mask, loss_scale, denominator, skipped
+        )
 
     def _global_mean_loss(self, outputs: list[dict[str, torch.Tensor]]) -> tuple[float, int]:
         """(mean of the micro-batch losses of all members, samples they ran in total).
@@ -238,6 +255,27 @@ class Engine:
             return math.nan, 0
         return float(total[0] / max(float(total[1]) / mbs, 1.0)), int(total[1])
 
+    @torch.no_grad()
+    def forward_check(self, step: int, source: int) -> list[bool] | None:
+        """Recompute replica `source`'s micro-batches of `step` forward-only with this rank's
+        parameters (which equal the suspect's: replicas are bitwise equal): is each loss finite?
+        None on a rank without losses (not the last pipeline stage). The rerun of a suspect's
+        step on a healthy peer (`failover/trainer/rerun.py`)."""
+        m = self.cfg.training.num_microbatches
+        fwd = functools.partial(
+            self._forward_step, sampler=self.train_sampler, step=step, loss_scale=1.0
+        )
+        outputs = stack.forward_backward(
+            self.ddp,
+            fwd,
+            iter([MicroBatchTask(source, i) for i in range(m)]),
+            num_microbatches=m,
+            seq_length=self.cfg.model.seq_length,
+            micro_batch_size=self.cfg.training.micro_batch_size,
+            forward_only=True,
+        )
+        return [math.isfinite(float(o["loss"])) for o in outputs] if outputs else None
+
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -251,7 +289,11 @@ class Engine:
         outputs = []
         if mine:
             fwd = functools.partial(
-                self._forward_step, sampler=self.valid_sampler, step=0, loss_scale=1.0
+                self._forward_step,
+                sampler=self.valid_sampler,
+                step=0,
+                loss_scale=1.0,
+                training=False,
             )
             outputs = stack.forward_backward(
                 self.ddp,
@@ -275,6 +317,7 @@ def _masked_mean_loss(
     loss_mask: torch.Tensor,
     loss_scale: float,
     denominator: float | None,
+    skipped: bool,
     output: torch.Tensor,
 ):
     """Token-mean loss over `loss_mask`; the backward loss is scaled so micro-batches weigh 1/M.
@@ -287,7 +330,8 @@ def _masked_mean_loss(
         loss = (output.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1.0)
     else:
         loss = (output.float().reshape(-1) * mask).sum() / denominator
-    report = {"loss": loss.detach().clone(), "samples": torch.tensor(loss_mask.shape[0])}
+    samples = 0 if skipped else loss_mask.shape[0]  # a skipped micro-batch trained on nothing
+    report = {"loss": loss.detach().clone(), "samples": torch.tensor(samples)}
     return loss * loss_scale, report
 
 

@@ -50,5 +50,17 @@ class StepControl(TrainHook):
 
     def end_step(self, engine: Any, result: Any) -> dict[str, Any]:
         """Called on every member after each attempt (`result.committed` False: it is redone);
-        returns the fields a committed step adds to its metrics row."""
+        returns the fields a committed step adds to its metrics row. Without failover an attempt
+        is voted down only for NaN/Inf: with no peer to tell bad data from a bad device, a step
+        that stays non-finite for `anomaly.max_attempts` attempts stops the run."""
+        self._tries = 0 if result.committed else getattr(self, "_tries", 0) + 1
+        limit = engine.cfg.anomaly.max_attempts
+        if self._tries >= limit:
+            from megatron_mecefo.errors import NumericalFaultError
+
+            raise NumericalFaultError(
+                f"step {result.step}: loss or gradients NaN/Inf on {limit} attempts "
+                f"({engine.anomaly.reason or 'on another rank'}); resume from the last "
+                "checkpoint, or run under mecefo-launch, whose peers classify the fault"
+            )
         return {}

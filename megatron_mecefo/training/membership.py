@@ -124,8 +124,12 @@ class Membership:
         """Why a collective of this attempt failed, or None."""
         return self.collectives.failed
 
-    def commit(self, step: int, ok: bool) -> bool:
+    def commit(self, step: int, ok: bool, anomaly: str | None = None) -> bool:
         """Apply this step's update? Static: iff this rank's reductions succeeded (`ok`; with
-        blocking collectives a failure raises before this). A live membership answers the same
+        blocking collectives a failure raises before this) and no member found NaN/Inf in its
+        local results (`anomaly`, agreed by one all-reduce). A live membership answers the same
         on every member (the commit vote)."""
-        return ok
+        flag = torch.tensor([0.0 if anomaly is None else 1.0], dtype=torch.float64)
+        if self.size > 1 and self.group is not None:
+            self.all_reduce(flag)
+        return ok and float(flag.item()) == 0.0

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from megatron_mecefo.control import keys
+from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.metrics.events import EventWriter
 
 EVENT_WAIT_S = 5.0
@@ -64,7 +65,10 @@ class EventLog:
             epoch = ev.pop("epoch_s")
             ev_type = ev.pop("type")
             # `seq` lets a restarted coordinator skip what its predecessor wrote before dying
-            self.writer.write(ev_type, time_s=epoch, seq=self.next_event, **ev)
+            try:
+                self.writer.write(ev_type, time_s=epoch, seq=self.next_event, **ev)
+            except ConfigError as exc:  # a bad event must not crash-loop the coordinator
+                self.log(f"[coordinator] event {self.next_event} is invalid, skipped: {exc}")
             self.next_event += 1
 
     def close(self) -> None:

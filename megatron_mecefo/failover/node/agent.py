@@ -483,6 +483,11 @@ class Agent:
         if done:
             self.finished.add(rank)
             return
+        if rc == ExitCode.EVICTED:  # a persistent numerical fault: a restart would repeat it
+            self.log(f"rank {rank} was evicted for a persistent NaN/Inf; not restarting it")
+            self.finished.add(rank)
+            self.gave_up[rank] = rc
+            return
         if inc >= self.args.max_restarts:
             self.log(f"rank {rank} died ({how}) after {inc} restarts; not restarting it")
             self.finished.add(rank)

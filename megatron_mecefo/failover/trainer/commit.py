@@ -8,6 +8,12 @@ tiny all-reduce of the members' success flags (every member issues it, so the co
 never diverges); with TP x PP > 1 a store counter over every rank of every member (one position's
 all-reduce cannot vouch for the replica's other ranks). A requested stop rides on the decision
 (`commit:<gen>:stop`), so every member stops after the same step.
+
+A member whose local loss or gradients hold NaN/Inf (`training/anomaly.py`) reduced fine but votes
+the step down with an anomaly: it first sets `anomaly/g/step/a/<replica>`, and a vote in which
+every member reduced and some flagged is decided at once as `abort:<g>:anomaly` (no wait for a
+new membership, no group rebuild); `suspects` names the flagged replicas, the same on every
+member, for the rerun (`rerun.py`).
 """
 
 from __future__ import annotations
@@ -61,14 +67,18 @@ class CommitVote:
         there survives a SIGKILL between the verdict and the update."""
         self.committed_as: tuple[int, int] = (0, 0)
         """(generation, attempt) of the last committed step."""
+        self.last_anomaly: tuple[int, int, int] | None = None
+        """(generation, step, attempt) of the last vote, if it was decided down for NaN/Inf."""
 
-    def vote(self, step: int, ok: bool) -> bool:
-        """Same verdict on every member: commit iff every member's reduction succeeded."""
+    def vote(self, step: int, ok: bool, anomaly: str | None = None) -> bool:
+        """Same verdict on every member: commit iff every member's reduction succeeded and no
+        member found NaN/Inf in its own results (`anomaly`: what it found)."""
         t0 = time.perf_counter()
         m = self.membership
         if m.generation != self._attempt_gen:  # vote keys are per (generation, step, attempt)
             self._attempt_gen, self.attempt = m.generation, 0
         g, a = m.generation, self.attempt
+        self.last_anomaly = None
         if self.before_vote is not None:
             self.before_vote(step, g, a)
         dkey = keys.decision(g, step, a)
@@ -76,15 +86,22 @@ class CommitVote:
         verdict = None
         # the writer of the decision also decides a requested stop, so every member agrees on it
         commit = f"commit:{latest}:stop" if self.stop_flag.is_set else f"commit:{latest}"
+        rerun = f"abort:{g}:anomaly"
         store = self.plane.store
+        if ok and anomaly is not None:
+            store.set(keys.anomaly(g, step, a, m.replica), anomaly)
         if self.replica_size == 1:
-            votes = torch.tensor([1.0 if ok else 0.0], dtype=torch.float64)
-            if m.all_reduce(votes) and ok and int(votes.item()) == m.size:
-                verdict = store.compare_set(dkey, "", commit).decode()
+            votes = torch.tensor([1.0 if ok else 0.0, 1.0 if anomaly else 0.0], dtype=torch.float64)
+            if m.all_reduce(votes) and ok and int(votes[0].item()) == m.size:
+                decided = rerun if votes[1].item() > 0 else commit
+                verdict = store.compare_set(dkey, "", decided).decode()
         elif ok:
+            if anomaly is not None:  # counted before the vote: the last voter sees it
+                store.add(keys.anomalies(g, step, a), 1)
             count = store.add(keys.vote(g, step, a), 1)
             if count == m.size * self.replica_size:
-                verdict = store.compare_set(dkey, "", commit).decode()
+                flagged = keys.get_int(store, keys.anomalies(g, step, a)) > 0
+                verdict = store.compare_set(dkey, "", rerun if flagged else commit).decode()
             else:
                 verdict = self._await_decision(dkey, g, failed=False)
         if verdict is None:
@@ -97,15 +114,27 @@ class CommitVote:
             boundary.note_committed(step)
             if "stop" in flags:
                 self.stop_after = step
+        elif "anomaly" in flags:
+            self.attempt += 1
+            self.last_anomaly = (g, step, a)
+            self.log(
+                f"[failover] rank {self.rank}: step {step} not committed (NaN/Inf on replica(s) "
+                f"{self.suspects(g, step, a)}); rerunning"
+            )
         else:
             self.attempt += 1
             why = m.failed or "another member's reduction failed"
             self.log(f"[failover] rank {self.rank}: step {step} not committed ({why}); redoing")
         if next_gen != g:
             self.pending = (next_gen, f"pg/{next_gen}")
-        elif not committed:  # same members, but the group saw an error: rebuild it
+        elif not committed and "anomaly" not in flags:  # the group saw an error: rebuild it
             self.pending = (g, f"pg/{g}/s{step}a{a}")
         return committed
+
+    def suspects(self, g: int, step: int, a: int) -> list[int]:
+        """Replicas that voted (g, step, a) down for NaN/Inf (set before any vote was cast)."""
+        store = self.plane.store
+        return [r for r in self.membership.members if store.check([keys.anomaly(g, step, a, r)])]
 
     def _await_decision(self, dkey: str, g: int, *, failed: bool) -> str:
         store = self.plane.store

@@ -42,6 +42,7 @@ from megatron_mecefo.failover.trainer.commit import CommitVote
 from megatron_mecefo.failover.trainer.membership import LiveMembership
 from megatron_mecefo.failover.trainer.plane import ControlPlane, JobDone
 from megatron_mecefo.failover.trainer.regroup import Regroup
+from megatron_mecefo.failover.trainer.rerun import AnomalyRerun
 from megatron_mecefo.failover.trainer.transfer import StateSync
 from megatron_mecefo.plan.from_config import plans_for_members
 from megatron_mecefo.plan.step_plan import RankStepPlan
@@ -116,6 +117,15 @@ class FailoverManager(RunControl):
             log=log,
         )
         self.membership.vote = self.vote
+        self.rerun = AnomalyRerun(
+            self.plane,
+            self.membership,
+            self.vote,
+            position=self.position,
+            writes_events=lambda: self.is_leader,
+            timeout_s=cfg.anomaly.check_timeout_s,
+            log=log,
+        )
         if fcfg.audit and self.position == 0:
             self.vote.before_vote = self._log_tasks
         self.sync = StateSync(
@@ -376,6 +386,7 @@ class FailoverManager(RunControl):
 
     def end_step(self, engine, result) -> dict[str, Any]:
         m = self.membership
+        self.rerun.after_attempt(engine, result.step, result.committed)
         if not result.committed:
             # the job-wide count, once per aborted attempt: summary.json counts these events
             if self.store.add(keys.redone(m.generation, result.step, self.vote.attempt), 1) == 1:

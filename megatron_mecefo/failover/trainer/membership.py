@@ -20,5 +20,5 @@ class LiveMembership(Membership):
     vote: Any = None
     """`commit.CommitVote` of this trainer (set once it exists)."""
 
-    def commit(self, step: int, ok: bool) -> bool:
-        return self.vote.vote(step, ok)
+    def commit(self, step: int, ok: bool, anomaly: str | None = None) -> bool:
+        return self.vote.vote(step, ok, anomaly)

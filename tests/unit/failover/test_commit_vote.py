@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import json
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -84,11 +85,12 @@ def _setup(tp):
     return store, ranks
 
 
-def _vote(ranks, oks, voters=None, step=7):
+def _vote(ranks, oks, voters=None, step=7, anomalies=None):
     out = {}
 
     def run(i):
-        out[i] = ranks[i].membership.commit(step, oks[i])
+        anomaly = (anomalies or {}).get(i)
+        out[i] = ranks[i].membership.commit(step, oks[i], anomaly=anomaly)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in (voters or range(len(ranks)))]
     [t.start() for t in threads]
@@ -150,3 +152,24 @@ def test_a_new_generation_votes_from_attempt_zero():
     _join(threads)
     assert set(out.values()) == {True}
     assert store.check([keys.decision(2, 7, 0)]) and not store.check([keys.decision(2, 7, 1)])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_an_anomaly_is_decided_at_once_with_its_suspects_and_no_rebuild(tp):
+    """A member whose local loss is NaN reduced fine but votes the step down: every member
+    aborts at once (well under the 0.3 s failure wait), names the same suspect, keeps its group
+    (no rebuild key), and the next attempt commits."""
+    store, ranks = _setup(tp)
+    suspect = [i for i, v in enumerate(ranks) if v.membership.replica == 1]
+    start = time.monotonic()
+    threads, out = _vote(ranks, [True] * len(ranks), anomalies={i: "loss nan" for i in suspect})
+    _join(threads)
+    assert time.monotonic() - start < 0.3 * 0.9  # decided at once, not after the failure wait
+    assert set(out.values()) == {False} and len(out) == len(ranks)
+    assert store.get(keys.decision(1, 7, 0)) == b"abort:1:anomaly"
+    assert {v.last_anomaly for v in ranks} == {(1, 7, 0)}
+    assert {tuple(v.suspects(1, 7, 0)) for v in ranks} == {(1,)}
+    assert all(v.pending is None and v.attempt == 1 for v in ranks)
+    threads, out = _vote(ranks, [True] * len(ranks))
+    _join(threads)
+    assert set(out.values()) == {True} and {v.last_anomaly for v in ranks} == {None}

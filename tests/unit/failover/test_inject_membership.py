@@ -15,10 +15,24 @@ def test_parse_inject():
     assert inject.parse_inject("kill:2:10:5") == inject.InjectionSpec("kill", 2, 10, 5)
     assert inject.parse_inject("hang:0:3") == inject.InjectionSpec("hang", 0, 3, None)
     assert inject.parse_inject("kill:1:rejoin").step == inject.AT_REJOIN
+    assert inject.parse_inject("nan:1:3") == inject.InjectionSpec("nan", 1, 3)
+    assert inject.parse_inject("nan:1:3:data").mode == "data"
+    assert inject.parse_inject("nan:0:3:persistent").mode == "persistent"
 
 
 @pytest.mark.parametrize(
-    "text", ["kill:2", "explode:1:2", "kill:a:3", "kill:1:2:0", "kill:-1:2", "kill:1:2:3:4"]
+    "text",
+    [
+        "kill:2",
+        "explode:1:2",
+        "kill:a:3",
+        "kill:1:2:0",
+        "kill:-1:2",
+        "kill:1:2:3:4",
+        "nan:1:2:sometimes",
+        "kill:1:2:data",
+        "nan:1:rejoin",
+    ],
 )
 def test_parse_inject_rejects(text):
     with pytest.raises(ConfigError, match="KIND:RANK:STEP"):

@@ -1,0 +1,171 @@
+"""Rerun and classify a step voted down for NaN/Inf (`commit.py`), inside the running job.
+
+Every member reads the same suspects from the store after the decision, so every member takes
+the same decisions here without another vote:
+
+1. a suspect's first anomaly at a step: `anomaly` + `rerun` events; the step is redone as is. If
+   the redo commits, the fault was **transient** (`classified`, kind transient);
+2. the same suspect again at the same step: the lowest member that is not a suspect recomputes the
+   suspect's micro-batches forward-only with its own (bitwise equal) parameters and posts one
+   finite flag per micro-batch (`keys.rerun_verdict`); everyone waits for it (bounded):
+   - all finite on the peer: **persistent** on the suspect (a device fault). The suspect posts
+     `evicted` and exits EVICTED (never restarted); the survivors take its micro-batches over
+     through the usual failure path, and the step is redone without it;
+   - not finite on the peer too: **data**. Those micro-batches are skipped from now on (a
+     zero-weight stand-in, `training/anomaly.py`), named in the `classified` event, and the step
+     is redone;
+   - no member left to check (every member flagged): data, unchecked.
+The peer recomputes with the parameters of the step being redone, which every replica holds:
+no NaN was ever applied (the vote is taken before the update).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+
+from megatron_mecefo.control import keys
+from megatron_mecefo.control.records import post_event
+from megatron_mecefo.errors import EvictedError, QuorumTimeoutError
+
+
+class AnomalyRerun:
+    """One trainer's side of the rerun (see the module docstring)."""
+
+    def __init__(
+        self, plane, membership, vote, *, position: int, writes_events, timeout_s: float, log=print
+    ):
+        self.plane = plane
+        self.position = position
+        """This rank's place in its replica: position 0 posts the replica's own events."""
+        self.membership = membership
+        self.vote = vote
+        self.writes_events = writes_events
+        """() -> does this rank post the job's events (the leader)?"""
+        self.timeout_s = timeout_s
+        self.log = log
+        self.seen: Counter[tuple[int, int]] = Counter()
+        """(step, replica) -> anomalies so far."""
+        self.pending: dict[int, list[int]] = {}
+        """step -> suspects rerun once, transient if the step now commits."""
+        self.classified: Counter[str] = Counter()
+
+    def after_attempt(self, engine, step: int, committed: bool) -> None:
+        """Called on every member after each attempt of `step`."""
+        if committed:
+            self._transient(step)
+            return
+        if self.vote.last_anomaly is None:
+            return
+        g, _, a = self.vote.last_anomaly
+        suspects = self.vote.suspects(g, step, a)
+        store = self.plane.store
+        for r in suspects:
+            self.seen[(step, r)] += 1
+            if r == self.membership.replica and self.position == 0:
+                what = store.get(keys.anomaly(g, step, a, r)).decode()
+                post_event(store, "anomaly", step=step, dp_rank=r, generation=g, detail=what)
+        first = [r for r in suspects if self.seen[(step, r)] == 1]
+        again = [r for r in suspects if self.seen[(step, r)] >= 2]
+        if first:
+            self.pending.setdefault(step, []).extend(first)
+            if self.writes_events():
+                post_event(store, "rerun", step=step, dp_rank=first[0], ranks=first)
+        if again:
+            self._classify(engine, step, again, suspects)
+
+    def _transient(self, step: int) -> None:
+        suspects = self.pending.pop(step, [])
+        if suspects:
+            self.classified["transient"] += 1
+            if self.writes_events():
+                post_event(
+                    self.plane.store,
+                    "classified",
+                    step=step,
+                    dp_rank=suspects[0],
+                    ranks=suspects,
+                    kind="transient",
+                    detail="did not reproduce on the rerun",
+                )
+
+    def _classify(self, engine, step: int, again: list[int], suspects: list[int]) -> None:
+        healthy = [r for r in self.membership.members if r not in suspects]
+        for r in again:
+            if r in self.pending.get(step, []):
+                self.pending[step].remove(r)
+            check = self.seen[(step, r)]
+            if healthy:
+                flags = self._peer_check(engine, step, r, healthy[0], check)
+            else:
+                flags = [False] * engine.cfg.training.num_microbatches  # unchecked: data
+            if all(flags):
+                self._persistent(step, r)
+            else:
+                self._data(engine, step, r, flags, checked=bool(healthy))
+
+    def _peer_check(self, engine, step: int, suspect: int, checker: int, check: int) -> list[bool]:
+        key = keys.rerun_verdict(step, suspect, check)
+        store = self.plane.store
+        if self.membership.replica == checker:
+            flags = engine.forward_check(step, suspect)
+            if flags is not None:  # the ranks with losses (last pipeline stage) post it
+                store.set(key, json.dumps(flags))
+        deadline = time.monotonic() + self.timeout_s
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise QuorumTimeoutError(
+                    f"no recomputation of replica {suspect}'s step {step} by replica {checker} "
+                    f"within {self.timeout_s} s (anomaly.check_timeout_s)"
+                )
+            time.sleep(0.01)
+        return json.loads(store.get(key))
+
+    def _persistent(self, step: int, suspect: int) -> None:
+        self.classified["persistent"] += 1
+        detail = "reproduced on the rerun; a healthy peer computed the same inputs finitely"
+        if self.writes_events():
+            post_event(
+                self.plane.store,
+                "classified",
+                step=step,
+                dp_rank=suspect,
+                ranks=[suspect],
+                kind="persistent",
+                detail=detail,
+            )
+        if suspect == self.membership.replica:
+            if self.position == 0:
+                post_event(self.plane.store, "evicted", step=step, dp_rank=suspect, detail=detail)
+            raise EvictedError(
+                f"replica {suspect}: NaN/Inf at step {step} reproduced on this rank only; "
+                "evicted (the survivors take its micro-batches over)"
+            )
+
+    def _data(self, engine, step: int, suspect: int, flags: list[bool], *, checked: bool) -> None:
+        bad = [i for i, finite in enumerate(flags) if not finite]
+        self.classified["data"] += 1
+        for i in bad:
+            engine.anomaly.skipped.add((step, suspect, i))
+        mbs = engine.cfg.training.micro_batch_size
+        samples = [engine.train_sampler.sample_indices(step, suspect, i) for i in bad]
+        if self.writes_events():
+            post_event(
+                self.plane.store,
+                "classified",
+                step=step,
+                dp_rank=suspect,
+                ranks=[suspect],
+                kind="data",
+                microbatches=bad,
+                samples=[s for ids in samples for s in ids],
+                samples_skipped=len(bad) * mbs,
+                detail="reproduced on a healthy peer: skipped"
+                if checked
+                else "every member flagged it (no peer to check): skipped",
+            )
+        self.log(
+            f"[failover] step {step}: replica {suspect}'s micro-batches {bad} are bad data "
+            "(NaN/Inf wherever computed); skipped"
+        )

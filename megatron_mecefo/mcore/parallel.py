@@ -125,14 +125,40 @@ def data_parallel_layout() -> tuple[int, int, dist.ProcessGroup]:
     )
 
 
-def _init_default_group(backend: str, timeout_s: float) -> None:
+def _init_default_group(backend: str, timeout_s: float, environ=os.environ) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    store = restart_safe_store(environ)
+    if store is not None:
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            timeout=timeout,
+        )
+    elif "RANK" in environ and "WORLD_SIZE" in environ:
         dist.init_process_group(backend, timeout=timeout)
     else:  # a plain `python -m ...` run: one process, no rendezvous needed
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
         )
+
+
+def restart_safe_store(environ=os.environ):
+    """Under `torchrun --max-restarts` (its agent hosts the store): the agent's store under a
+    prefix per restart attempt, else None (the env:// rendezvous as usual). torch 2.13's env://
+    rendezvous on the agent's store reuses the first attempt's keys, so a restarted attempt's
+    gloo ranks read their predecessors' dead addresses ("Connection refused")."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in environ:
+        return None
+    agent = dist.TCPStore(
+        environ["MASTER_ADDR"],
+        int(environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=300),
+    )
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"/mecefo/attempt_{attempt}", agent)
 
 
 def seed_everything(seed: int) -> None:

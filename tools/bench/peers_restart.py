@@ -4,9 +4,8 @@ loop hook that SIGKILLs one rank at the start of each scheduled step, once (a ma
 `PEERS_KILL_DIR`; the product's `--inject` needs failover). A restarted incarnation stays down
 until the kill's time plus `PEERS_DOWN_S`, as the other systems' replicas do.
 
-The default process group is made here, on a store prefix per torchrun attempt: torch 2.13's
-env:// rendezvous on torchrun's agent store reuses the first attempt's keys, so a restarted
-attempt's gloo ranks read their peers' dead addresses and fail ("Connection refused").
+The trainer makes its default group on a store prefix per torchrun attempt itself
+(`mcore.parallel.restart_safe_store`).
 
     torchrun ... tools/bench/peers_restart.py MECEFO-TRAIN-ARGS   (env: PEERS_KILLS=3,6,9
     PEERS_KILL_RANK=1 PEERS_KILL_DIR=DIR PEERS_DOWN_S=2)
@@ -14,7 +13,6 @@ attempt's gloo ranks read their peers' dead addresses and fail ("Connection refu
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import sys
@@ -39,25 +37,6 @@ class KillHook(TrainHook):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def init_default_group() -> None:
-    """gloo's default group on `/peers/attempt_<restart count>` of torchrun's store."""
-    import torch.distributed as dist
-
-    from megatron_mecefo.mcore.config import ParallelConfig
-
-    timeout = datetime.timedelta(seconds=ParallelConfig().timeout_s)
-    env = os.environ
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False)
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"/peers/attempt_{attempt}", store),
-        rank=int(env["RANK"]),
-        world_size=int(env["WORLD_SIZE"]),
-        timeout=timeout,
-    )
-
-
 def main() -> int:
     kill_dir = Path(os.environ["PEERS_KILL_DIR"])
     kill_dir.mkdir(parents=True, exist_ok=True)
@@ -65,8 +44,6 @@ def main() -> int:
     if stamps and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         time.sleep(max(0.0, max(stamps) + float(os.environ["PEERS_DOWN_S"]) - time.time()))
     from megatron_mecefo import session, train
-
-    init_default_group()
 
     if os.environ.get("RANK") == os.environ["PEERS_KILL_RANK"]:
         steps = {int(s) for s in os.environ["PEERS_KILLS"].split(",") if s}

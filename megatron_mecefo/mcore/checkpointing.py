@@ -8,6 +8,7 @@ Collective over torch.distributed's default group: every rank of that group call
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -140,9 +141,29 @@ def start_writer_queue_ignoring_stop_signals() -> None:
 
     if filesystem_async._results_queue is not None:
         return
+    use_short_socket_dir()
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:
         filesystem_async._get_write_results_queue()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+SOCKET_DIR_MAX = 60
+"""Longest temporary directory for multiprocessing's sockets: it adds `/pymp-XXXXXXXX/listener-
+XXXXXXXX` (~40 bytes) and AF_UNIX paths end at 107 bytes."""
+
+
+def use_short_socket_dir(environ=os.environ) -> str:
+    """Point the temporary directory at /tmp, here and for the processes started from here
+    (megatron's result-queue Manager is spawned: it reads $TMPDIR), when it is too long for a
+    socket path (a long TMPDIR failed every async save: "AF_UNIX path too long"); returns the
+    directory in use."""
+    import tempfile
+
+    current = tempfile.gettempdir()
+    if len(current) > SOCKET_DIR_MAX and os.access("/tmp", os.W_OK):
+        tempfile.tempdir = environ["TMPDIR"] = "/tmp"
+        return "/tmp"
+    return current

@@ -102,6 +102,13 @@ class SnapshotCorruptError(CheckpointError):
     """An in-memory snapshot failed its checksum."""
 
 
+class CorruptStateError(MecefoError):
+    """This replica's state differs from the majority's (silent data corruption): it leaves and
+    rejoins with a healthy peer's state (`ExitCode.REJOIN`)."""
+
+    exit_code = ExitCode.REJOIN
+
+
 class EvictedError(MecefoError):
     """This rank is evicted for a persistent numerical fault (`ExitCode.EVICTED`)."""
 

@@ -17,10 +17,17 @@ class AnomalyConfig:
     check_timeout_s: float = 120.0
     """Under failover: how long members wait for the healthy peer's recomputation of a suspect's
     micro-batches (the classification of a fault that reproduced on a rerun)."""
+    fingerprint_interval: int = 1
+    """Under failover: every this many steps each replica adds a fingerprint of its parameters and
+    optimizer state to the commit vote (0 = never). Replicas must be bitwise equal: one that
+    differs from the majority is rejoined from a healthy peer, evicted if it happens twice
+    (`docs/anomalies.md`). Costs one read of the state per fingerprinted step."""
     max_attempts: int = 3
     """Without failover (no peer to compare with): attempts of one step whose loss or gradients
     stay NaN/Inf before the run stops with DATA_ERROR."""
 
     def __post_init__(self) -> None:
-        if self.check_timeout_s <= 0 or self.max_attempts < 2:
-            raise ValueError("anomaly.check_timeout_s must be > 0 and max_attempts >= 2")
+        if self.check_timeout_s <= 0 or self.max_attempts < 2 or self.fingerprint_interval < 0:
+            raise ValueError(
+                "anomaly.check_timeout_s must be > 0, max_attempts >= 2, fingerprint_interval >= 0"
+            )

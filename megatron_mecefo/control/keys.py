@@ -196,6 +196,18 @@ def anomalies(gen: int, step: int, attempt: int) -> str:
     return f"anomalies/{gen}/{step}/{attempt}"
 
 
+def fingerprint(gen: int, step: int, attempt: int, rank: int) -> str:
+    """Rank `rank`'s state fingerprint at (gen, step, attempt) (TP x PP > 1: compared by the
+    last voter, position by position)."""
+    return f"fingerprint/{gen}/{step}/{attempt}/{rank}"
+
+
+def corruptions(replica: int, position: int) -> str:
+    """Counter of the times replica `replica`'s state (its rank at `position`) was found to
+    differ from the majority's, over every incarnation: the second time, it is evicted."""
+    return f"corruptions/{replica}/{position}"
+
+
 def rerun_verdict(step: int, replica: int, check: int) -> str:
     """The healthy peer's recomputation of replica `replica`'s micro-batches of `step` (its
     `check`-th): a JSON list of `finite` flags, one per micro-batch."""

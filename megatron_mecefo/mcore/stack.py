@@ -109,7 +109,7 @@ def hold_params(optimizer, params: Sequence[torch.Tensor]) -> Iterator[None]:
     if not params:
         yield
         return
-    tensors = [p.data for p in params] + _optimizer_tensors(optimizer, params)
+    tensors = [p.data for p in params] + optimizer_tensors(optimizer, params)
     saved = [t.detach().clone() for t in tensors]
     yield
     with torch.no_grad():
@@ -117,7 +117,7 @@ def hold_params(optimizer, params: Sequence[torch.Tensor]) -> Iterator[None]:
             tensor.copy_(value)
 
 
-def _optimizer_tensors(optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def optimizer_tensors(optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The optimizer's tensors that belong to `params`: master copies (bf16 training) and every
     per-parameter state tensor but the step count; the sharded optimizer names its own."""
     if hasattr(optimizer, "state_views"):

@@ -9,8 +9,9 @@ One JSON object per line. Required fields:
               per aborted attempt, `generation` = the attempt's, extra `attempt`), shard_adopt,
               rollback, and the numerical faults (`failover/trainer/rerun.py`): anomaly (a
               replica's NaN/Inf, `detail` says what), rerun, classified (extra `kind`: transient,
-              data or persistent; data names `microbatches`, `samples`, `samples_skipped`),
-              evicted
+              data, persistent or corruption; data names `microbatches`, `samples`,
+              `samples_skipped`), evicted, healed (a corrupt replica committed again with a
+              healthy peer's state)
   step        training step at which the event happened (int >= 0)
   dp_rank     DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint, ...);
               failure and rejoin events always name one
@@ -59,6 +60,7 @@ EVENT_TYPES = (
     "rerun",
     "classified",
     "evicted",
+    "healed",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

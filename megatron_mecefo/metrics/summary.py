@@ -31,6 +31,7 @@ COUNTED = (
     ("reruns", "rerun"),
     ("classified", "classified"),
     ("evictions", "evicted"),
+    ("healed", "healed"),
 )
 """Summary counters (failover.<key>) that are the number of events of a type."""
 

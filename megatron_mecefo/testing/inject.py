@@ -20,6 +20,9 @@ state transfer. Kinds:
              `nan:RANK:STEP` poisons one attempt of STEP (transient); `nan:RANK:STEP:persistent`
              every attempt from STEP on (a faulty device); `nan:RANK:STEP:data` the micro-batches
              of RANK's replica at STEP, on whichever rank computes them (bad data)
+  bitflip    silent data corruption: at the start of STEP (after the previous update) flip one
+             bit of one parameter on RANK (`BITFLIP_BIT` of its first element); caught by the
+             state fingerprint in the commit vote
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from megatron_mecefo.control import keys
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.training.hooks import TrainHook
 
-KINDS = ("kill", "hang", "exception", "stall", "starve", "nan")
+KINDS = ("kill", "hang", "exception", "stall", "starve", "nan", "bitflip")
+BITFLIP_BIT = 20
+"""The flipped bit of a 32-bit parameter (a mantissa bit: the value moves, it stays finite)."""
 NAN_MODES = ("persistent", "data")
 STARVE_S = 8
 AT_REJOIN = -1
@@ -82,8 +87,8 @@ def parse_inject(text: str) -> InjectionSpec:
         raise ConfigError(usage) from None
     if nums[0] < 0 or nums[1] < AT_REJOIN or (len(nums) == 3 and nums[2] < 1):
         raise ConfigError(f"{usage}; RANK and STEP must be >= 0 and DOWN_STEPS >= 1")
-    if parts[0] == "nan" and nums[1] == AT_REJOIN:
-        raise ConfigError(f"{usage}; a nan injection needs a step number")
+    if parts[0] in ("nan", "bitflip") and nums[1] == AT_REJOIN:
+        raise ConfigError(f"{usage}; a {parts[0]} injection needs a step number")
     down = nums[2] if len(nums) == 3 else None
     return InjectionSpec(parts[0], nums[0], nums[1], down, mode)
 
@@ -206,7 +211,19 @@ class Injector(TrainHook):
                 guard.poison_from = step
             else:
                 guard.poison_attempts = 1
+        elif spec.kind == "bitflip":
+            flip_bit(self._engine)
         elif spec.kind == "starve":
             import ctypes
 
             ctypes.PyDLL(None).sleep(STARVE_S)  # PyDLL: the GIL is held through the call
+
+
+def flip_bit(engine) -> None:
+    """Flip `BITFLIP_BIT` of the first element of the model's first parameter, in place."""
+    import torch
+
+    param = next(p for p in engine.ddp.module.parameters() if p.numel())
+    flat = param.data.view(-1)
+    ints = flat.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    ints[0] ^= 1 << min(BITFLIP_BIT, 8 * flat.element_size() - 2)

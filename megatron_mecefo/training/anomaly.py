@@ -11,6 +11,7 @@ Injected faults (`--inject nan:...`, `testing/inject.py`) enter through `poison_
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -58,3 +59,32 @@ class AnomalyGuard:
         """A local gradient buffer, before it is scaled and reduced."""
         if self.enabled and self.reason is None and not bool(torch.isfinite(grad).all()):
             self.reason = "gradient NaN/Inf"
+
+
+def fingerprint(tensors) -> int:
+    """An order-insensitive integer fingerprint of `tensors`: the sum of their elements' bit
+    patterns as integers. Any single flipped bit changes it (by +-2^k); it costs one read of each
+    tensor. Replicas that hold bitwise-equal state have equal fingerprints."""
+    total = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        if flat.dtype.is_floating_point or flat.dtype == torch.bool:
+            flat = flat.view(
+                {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+            )
+        total += int(flat.sum(dtype=torch.int64))
+    return total
+
+
+def state_fingerprint(engine: Any) -> int:
+    """The fingerprint of this replica's parameters and, with a replicated optimizer, its
+    optimizer state (a sharded optimizer's shards differ by design between replicas: they are
+    covered by the shard digests of the audit, not here)."""
+    from megatron_mecefo.mcore import stack
+    from megatron_mecefo.mcore.checkpointing import is_sharded
+
+    params = [p for p in engine.ddp.module.parameters()]
+    tensors = list(params)
+    if not is_sharded(engine.optimizer):
+        tensors += stack.optimizer_tensors(engine.optimizer, params)
+    return fingerprint(tensors)

@@ -34,7 +34,7 @@ from megatron_mecefo.mcore.parallel import (
 )
 from megatron_mecefo.mecefo import install_degraded_mode
 from megatron_mecefo.plan.step_plan import MicroBatchTask, RankStepPlan, failure_free_plan
-from megatron_mecefo.training.anomaly import AnomalyGuard
+from megatron_mecefo.training.anomaly import AnomalyGuard, state_fingerprint
 from megatron_mecefo.training.lr_schedule import lr_at
 from megatron_mecefo.training.membership import Membership
 
@@ -132,6 +132,10 @@ class Engine:
         self.controller.on_step_start(step)
         self.membership.begin_attempt()
         self.anomaly.begin_attempt(step)
+        every = self.cfg.anomaly.fingerprint_interval
+        # the state this step starts from, which every replica must hold bit for bit
+        check = every and step % every == 0 and self.membership.compares_fingerprints
+        fp = state_fingerprint(self) if check else None
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
@@ -156,7 +160,10 @@ class Engine:
         # a rank whose last parameter all-gather failed has stale parameters: never commit on them
         fresh = not getattr(self.optimizer, "stale", False)
         committed = self.membership.commit(
-            step, self.membership.failed is None and fresh, anomaly=self.anomaly.reason
+            step,
+            self.membership.failed is None and fresh,
+            anomaly=self.anomaly.reason,
+            fingerprint=fp,
         )
         updated, grad_norm = False, 0.0
         if committed:

@@ -70,6 +70,8 @@ class Membership:
     """Membership generation (0 = static, no failover)."""
     collectives: Collectives = dataclasses.field(default_factory=BlockingCollectives)
     """How collectives on `group` run (failover: abortable, recorded errors)."""
+    compares_fingerprints = False
+    """Does `commit` compare the members' state fingerprints (failover's vote does)?"""
 
     def __post_init__(self) -> None:
         self.members = tuple(sorted(self.members))
@@ -124,11 +126,13 @@ class Membership:
         """Why a collective of this attempt failed, or None."""
         return self.collectives.failed
 
-    def commit(self, step: int, ok: bool, anomaly: str | None = None) -> bool:
+    def commit(
+        self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
+    ) -> bool:
         """Apply this step's update? Static: iff this rank's reductions succeeded (`ok`; with
         blocking collectives a failure raises before this) and no member found NaN/Inf in its
         local results (`anomaly`, agreed by one all-reduce). A live membership answers the same
-        on every member (the commit vote)."""
+        on every member (the commit vote), and compares the members' state `fingerprint`s."""
         flag = torch.tensor([0.0 if anomaly is None else 1.0], dtype=torch.float64)
         if self.size > 1 and self.group is not None:
             self.all_reduce(flag)

@@ -74,3 +74,41 @@ def test_transient_data_and_persistent_nan_are_rerun_classified_and_healed(
     )
     assert violations == [], violations
     assert json.loads((res.run_dir / "summary.json").read_text())["steps"] == STEPS
+
+
+def test_a_flipped_bit_is_caught_by_the_fingerprint_and_healed_from_a_peer(
+    tmp_path, demo_data_dir
+):
+    """bitflip:2:4 flips one bit of one parameter of replica 2 before step 4. The state
+    fingerprints in step 4's vote disagree (3 against 1): the step is not committed anywhere,
+    replica 2 is named, leaves (exit 7) and rejoins with a healthy peer's state; once a step
+    commits with it back, `healed`. At the end every replica holds the same state, bit for bit,
+    and the curve equals a failure-free run's."""
+    steps = 12
+    overrides = (*PIN, "mecefo.takeover_granularity=sample")
+    ref = launch(tmp_path, demo_data_dir, steps=steps, overrides=overrides, name="ref")
+    assert ref.returncode == 0, ref.explain()
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("bitflip:2:4",),
+        overrides=overrides,
+        until_rejoined=True,
+    )
+    assert res.returncode == ExitCode.PREEMPTED, res.explain()  # stopped once rank 2 was back
+    rows = res.metrics()
+    assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= steps
+    for got, want in zip(rows[:steps], ref.metrics(), strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-5, abs=1e-6), got["step"]
+    kinds = [(e["type"], e.get("kind"), e["step"], e.get("dp_rank")) for e in res.events()]
+    assert ("classified", "corruption", 4, 2) in kinds, kinds
+    order = [k[0] for k in kinds if k[0] in ("classified", "failure", "rejoin", "healed")]
+    assert order == ["classified", "failure", "rejoin", "healed"], kinds
+    assert not any(k[0] == "evicted" for k in kinds)
+    violations = (
+        checks.check_metrics(res.run_dir, len(rows))
+        + checks.check_digests(res.run_dir, len(rows), required=range(4))
+        + checks.check_summary(res.run_dir)
+    )
+    assert violations == [], violations

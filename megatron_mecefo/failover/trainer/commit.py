@@ -19,6 +19,7 @@ member, for the rerun (`rerun.py`).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -69,16 +70,23 @@ class CommitVote:
         """(generation, attempt) of the last committed step."""
         self.last_anomaly: tuple[int, int, int] | None = None
         """(generation, step, attempt) of the last vote, if it was decided down for NaN/Inf."""
+        self.last_corrupt: list[int] | None = None
+        """Replicas whose state fingerprint differed from the majority's in the last vote (empty:
+        no majority), or None."""
 
-    def vote(self, step: int, ok: bool, anomaly: str | None = None) -> bool:
-        """Same verdict on every member: commit iff every member's reduction succeeded and no
-        member found NaN/Inf in its own results (`anomaly`: what it found)."""
+    def vote(
+        self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
+    ) -> bool:
+        """Same verdict on every member: commit iff every member's reduction succeeded, no
+        member found NaN/Inf in its own results (`anomaly`: what it found) and, on a
+        fingerprinted step (`fingerprint` given on every member), every member holds the same
+        state."""
         t0 = time.perf_counter()
         m = self.membership
         if m.generation != self._attempt_gen:  # vote keys are per (generation, step, attempt)
             self._attempt_gen, self.attempt = m.generation, 0
         g, a = m.generation, self.attempt
-        self.last_anomaly = None
+        self.last_anomaly = self.last_corrupt = None
         if self.before_vote is not None:
             self.before_vote(step, g, a)
         dkey = keys.decision(g, step, a)
@@ -91,17 +99,26 @@ class CommitVote:
         if ok and anomaly is not None:
             store.set(keys.anomaly(g, step, a, m.replica), anomaly)
         if self.replica_size == 1:
+            prints = None
+            if fingerprint is not None:  # every member gathers on the same steps
+                mine = torch.tensor([fingerprint], dtype=torch.int64)
+                gathered = torch.zeros(m.size, dtype=torch.int64)
+                ok = m.all_gather(gathered, mine) and ok
+                prints = dict(zip(m.members, gathered.tolist(), strict=True))
             votes = torch.tensor([1.0 if ok else 0.0, 1.0 if anomaly else 0.0], dtype=torch.float64)
             if m.all_reduce(votes) and ok and int(votes[0].item()) == m.size:
-                decided = rerun if votes[1].item() > 0 else commit
+                decided = rerun if votes[1].item() > 0 else _corrupt(g, prints) or commit
                 verdict = store.compare_set(dkey, "", decided).decode()
         elif ok:
             if anomaly is not None:  # counted before the vote: the last voter sees it
                 store.add(keys.anomalies(g, step, a), 1)
+            if fingerprint is not None:
+                store.set(keys.fingerprint(g, step, a, self.rank), str(fingerprint))
             count = store.add(keys.vote(g, step, a), 1)
             if count == m.size * self.replica_size:
                 flagged = keys.get_int(store, keys.anomalies(g, step, a)) > 0
-                verdict = store.compare_set(dkey, "", rerun if flagged else commit).decode()
+                decided = rerun if flagged else self._corrupt_positions(g, step, a) or commit
+                verdict = store.compare_set(dkey, "", decided).decode()
             else:
                 verdict = self._await_decision(dkey, g, failed=False)
         if verdict is None:
@@ -114,6 +131,13 @@ class CommitVote:
             boundary.note_committed(step)
             if "stop" in flags:
                 self.stop_after = step
+        elif flags and flags[0] == "corrupt":
+            self.attempt += 1
+            self.last_corrupt = [int(r) for r in flags[1].split(",") if r]
+            self.log(
+                f"[failover] rank {self.rank}: step {step} not committed (the state fingerprint "
+                f"of replica(s) {self.last_corrupt or '?: no majority'} differs)"
+            )
         elif "anomaly" in flags:
             self.attempt += 1
             self.last_anomaly = (g, step, a)
@@ -127,9 +151,27 @@ class CommitVote:
             self.log(f"[failover] rank {self.rank}: step {step} not committed ({why}); redoing")
         if next_gen != g:
             self.pending = (next_gen, f"pg/{next_gen}")
-        elif not committed and "anomaly" not in flags:  # the group saw an error: rebuild it
+        elif not committed and not flags:  # the group saw an error: rebuild it
             self.pending = (g, f"pg/{g}/s{step}a{a}")
         return committed
+
+    def _corrupt_positions(self, g: int, step: int, a: int) -> str | None:
+        """TP x PP > 1, the last voter: compare the fingerprints position by position (ranks
+        that did not fingerprint this step set none: nothing to compare)."""
+        store, m, size = self.plane.store, self.membership, self.replica_size
+        odd: set[int] = set()
+        for pos in range(size):
+            names = [keys.fingerprint(g, step, a, r * size + pos) for r in m.members]
+            if not store.check(names[:1]):
+                return None
+            values = [int(v) for v in store.multi_get(names)]
+            verdict = _corrupt(g, dict(zip(m.members, values, strict=True)))
+            if verdict is not None:
+                named = {int(r) for r in verdict.rsplit(":", 1)[1].split(",") if r}
+                if not named:
+                    return verdict  # no majority at a position: nobody can be named
+                odd |= named
+        return _decision_of(g, sorted(odd)) if odd else None
 
     def suspects(self, g: int, step: int, a: int) -> list[int]:
         """Replicas that voted (g, step, a) down for NaN/Inf (set before any vote was cast)."""
@@ -159,3 +201,19 @@ class CommitVote:
                 )
             time.sleep(delay)
             delay = min(2 * delay or 1e-4, 2e-3)
+
+
+def _corrupt(g: int, prints: dict[int, int] | None) -> str | None:
+    """The decision for members' fingerprints that disagree (None: they agree, or none were
+    taken): `abort:<g>:corrupt:<replicas that differ from the majority>`, with no replica named
+    when no value holds a strict majority (2 replicas: the vote cannot tell which is wrong)."""
+    if not prints or len(set(prints.values())) == 1:
+        return None
+    value, n = Counter(prints.values()).most_common(1)[0]
+    if 2 * n <= len(prints):
+        return _decision_of(g, [])
+    return _decision_of(g, sorted(r for r, v in prints.items() if v != value))
+
+
+def _decision_of(g: int, odd: list[int]) -> str:
+    return f"abort:{g}:corrupt:{','.join(str(r) for r in odd)}"

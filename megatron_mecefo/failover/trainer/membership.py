@@ -19,6 +19,9 @@ class LiveMembership(Membership):
 
     vote: Any = None
     """`commit.CommitVote` of this trainer (set once it exists)."""
+    compares_fingerprints = True
 
-    def commit(self, step: int, ok: bool, anomaly: str | None = None) -> bool:
-        return self.vote.vote(step, ok, anomaly)
+    def commit(
+        self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
+    ) -> bool:
+        return self.vote.vote(step, ok, anomaly, fingerprint)

@@ -17,6 +17,14 @@ the same decisions here without another vote:
    - no member left to check (every member flagged): data, unchecked.
 The peer recomputes with the parameters of the step being redone, which every replica holds:
 no NaN was ever applied (the vote is taken before the update).
+
+A vote decided down because a replica's state fingerprint differs from the majority's (silent
+data corruption, `commit.py`) names that replica: it posts `anomaly` and `classified` (kind
+corruption), and leaves with REJOIN, so its agent restarts it and it rejoins with a healthy
+peer's state; the leader posts `healed` once a step commits with it back. The second time a
+replica's state is found corrupt (counted in the store across incarnations), it is evicted.
+With no majority (2 replicas), nobody can be named: the job stops with DATA_ERROR rather than
+train on replicas that disagree.
 """
 
 from __future__ import annotations
@@ -27,7 +35,12 @@ from collections import Counter
 
 from megatron_mecefo.control import keys
 from megatron_mecefo.control.records import post_event
-from megatron_mecefo.errors import EvictedError, QuorumTimeoutError
+from megatron_mecefo.errors import (
+    CorruptStateError,
+    EvictedError,
+    NumericalFaultError,
+    QuorumTimeoutError,
+)
 
 
 class AnomalyRerun:
@@ -50,11 +63,17 @@ class AnomalyRerun:
         self.pending: dict[int, list[int]] = {}
         """step -> suspects rerun once, transient if the step now commits."""
         self.classified: Counter[str] = Counter()
+        self.healing: set[int] = set()
+        """Replicas that left to rejoin with a healthy peer's state (corrupt state)."""
 
     def after_attempt(self, engine, step: int, committed: bool) -> None:
         """Called on every member after each attempt of `step`."""
         if committed:
             self._transient(step)
+            self._healed(step)
+            return
+        if self.vote.last_corrupt is not None:
+            self._corrupt(step, self.vote.last_corrupt)
             return
         if self.vote.last_anomaly is None:
             return
@@ -74,6 +93,56 @@ class AnomalyRerun:
                 post_event(store, "rerun", step=step, dp_rank=first[0], ranks=first)
         if again:
             self._classify(engine, step, again, suspects)
+
+    def _corrupt(self, step: int, odd: list[int]) -> None:
+        store, m = self.plane.store, self.membership
+        if not odd:
+            raise NumericalFaultError(
+                f"step {step}: the replicas' states differ and no majority names the wrong one "
+                f"({len(m.members)} replicas); resume from the last checkpoint"
+            )
+        detail = "state fingerprint differs from the majority's"
+        if self.writes_events():
+            for r in odd:
+                post_event(store, "anomaly", step=step, dp_rank=r, detail=detail)
+                post_event(
+                    store,
+                    "classified",
+                    step=step,
+                    dp_rank=r,
+                    ranks=[r],
+                    kind="corruption",
+                    detail=f"{detail}: rejoins with a healthy peer's state",
+                )
+        self.healing |= set(odd)
+        if m.replica not in odd:
+            return
+        times = store.add(keys.corruptions(m.replica, self.position), 1)
+        if times >= 2:
+            if self.position == 0:
+                post_event(
+                    store, "evicted", step=step, dp_rank=m.replica, detail=f"{detail}, twice"
+                )
+            raise EvictedError(
+                f"replica {m.replica}: its state differed from the majority's twice; evicted"
+            )
+        raise CorruptStateError(
+            f"replica {m.replica}: state fingerprint at step {step} differs from the majority's; "
+            "rejoining with a healthy peer's state"
+        )
+
+    def _healed(self, step: int) -> None:
+        back = sorted(r for r in self.healing if r in self.membership.members)
+        for r in back:
+            self.healing.discard(r)
+            if self.writes_events():
+                post_event(
+                    self.plane.store,
+                    "healed",
+                    step=step,
+                    dp_rank=r,
+                    detail="rejoined with a healthy peer's state; committed with it",
+                )
 
     def _transient(self, step: int) -> None:
         suspects = self.pending.pop(step, [])

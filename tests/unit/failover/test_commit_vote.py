@@ -173,3 +173,40 @@ def test_an_anomaly_is_decided_at_once_with_its_suspects_and_no_rebuild(tp):
     threads, out = _vote(ranks, [True] * len(ranks))
     _join(threads)
     assert set(out.values()) == {True} and {v.last_anomaly for v in ranks} == {None}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_replica_whose_state_differs_from_the_majority_is_named_by_every_member(tp):
+    """Fingerprints in the vote: replica 2's state differs (a flipped bit), so every member
+    aborts the step with the same verdict naming replica 2; equal fingerprints commit."""
+    store, ranks = _setup(tp)
+    prints = [111 if v.membership.replica != 2 else 112 for v in ranks]
+    out = {}
+
+    def run(i):
+        out[i] = ranks[i].membership.commit(7, True, fingerprint=prints[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ranks))]
+    [t.start() for t in threads]
+    _join(threads)
+    assert set(out.values()) == {False}
+    assert store.get(keys.decision(1, 7, 0)) == b"abort:1:corrupt:2"
+    assert {tuple(v.last_corrupt) for v in ranks} == {(2,)}
+    assert all(v.pending is None for v in ranks)  # no group rebuild: the members are fine
+    out.clear()
+
+    def again(i):
+        out[i] = ranks[i].membership.commit(7, True, fingerprint=111)
+
+    threads = [threading.Thread(target=again, args=(i,)) for i in range(len(ranks))]
+    [t.start() for t in threads]
+    _join(threads)
+    assert set(out.values()) == {True} and {v.last_corrupt for v in ranks} == {None}
+
+
+def test_without_a_majority_nobody_is_named():
+    from megatron_mecefo.failover.trainer.commit import _corrupt
+
+    assert _corrupt(3, {0: 5, 1: 5, 2: 6}) == "abort:3:corrupt:2"
+    assert _corrupt(3, {0: 5, 1: 6}) == "abort:3:corrupt:"  # 2 replicas: a tie
+    assert _corrupt(3, {0: 5, 1: 5}) is None and _corrupt(3, None) is None

@@ -63,17 +63,17 @@ class AnomalyGuard:
 
 def fingerprint(tensors) -> int:
     """An order-insensitive integer fingerprint of `tensors`: the sum of their elements' bit
-    patterns as integers. Any single flipped bit changes it (by +-2^k); it costs one read of each
-    tensor. Replicas that hold bitwise-equal state have equal fingerprints."""
-    total = 0
+    patterns as integers (int64, wrapping). Any single flipped bit changes it (by +-2^k); it
+    costs one read of each tensor and one device sync. Replicas that hold bitwise-equal state
+    have equal fingerprints."""
+    sums = []
     for t in tensors:
         flat = t.detach().reshape(-1)
         if flat.dtype.is_floating_point or flat.dtype == torch.bool:
-            flat = flat.view(
-                {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
-            )
-        total += int(flat.sum(dtype=torch.int64))
-    return total
+            ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+            flat = flat.view(ints[flat.element_size()])
+        sums.append(flat.sum(dtype=torch.int64))
+    return int(torch.stack(sums).sum()) if sums else 0
 
 
 def state_fingerprint(engine: Any) -> int:

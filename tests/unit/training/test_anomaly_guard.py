@@ -65,3 +65,18 @@ def test_without_failover_a_step_that_stays_non_finite_stops_the_run():
         control.end_step(engine, types.SimpleNamespace(step=5, committed=False))
     with pytest.raises(NumericalFaultError, match=r"step 5: .* on 3 attempts \(loss nan\)"):
         control.end_step(engine, types.SimpleNamespace(step=5, committed=False))
+
+
+def test_any_single_flipped_bit_changes_the_fingerprint():
+    from megatron_mecefo.training.anomaly import fingerprint
+
+    a = [torch.randn(64), torch.randn(3, 5).to(torch.bfloat16)]
+    b = [t.clone() for t in a]
+    assert fingerprint(a) == fingerprint(b)
+    for bit in (0, 11, 22, 30):
+        c = [t.clone() for t in a]
+        c[0].view(torch.int32)[7] ^= 1 << bit
+        assert fingerprint(c) != fingerprint(a), bit
+    d = [t.clone() for t in a]
+    d[1].view(torch.int16)[0, 0] ^= 1 << 3
+    assert fingerprint(d) != fingerprint(a)

@@ -230,6 +230,20 @@ TOOLS = (
         (),  # two A/B pairs of 120 steps, 3 elections per TTL
         ("--quick",),
     ),
+    Tool(
+        "peers",
+        "side by side with the peers",
+        "tools/bench/peers.py",
+        (),  # 400 steps, kills at 50, 175, 300
+        ("--quick",),
+    ),
+    Tool(
+        "anomaly_cost",
+        "silent-fault checks' cost",
+        "tools/bench/anomaly_cost.py",
+        (),
+        ("--models", "tiny", "--reps", "3"),
+    ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]
 

@@ -399,6 +399,8 @@ ALL_SECTIONS = [
     "Covering pipeline step time (PP 2)",
     "Distributed optimizer (ZeRO-1) vs replicated",
     "Control plane on etcd vs tcp",
+    "Side by side with the peers (torchft, checkpoint-restart)",
+    "Silent-fault checks: what a normal step pays",
 ]
 """Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
 
@@ -643,3 +645,35 @@ def test_etcd_store_section(tmp_path):
     assert "lease TTL 5 s: 4.60 s, 5.10 s" in sec
     assert "| 1024 | 128 | 2714 | 3430 | 6144 | 614% | 7.4 |" in sec
     assert "etcd_store.py --out" in sec  # the Tool's command
+
+
+def test_peers_and_anomaly_cost_sections(tmp_path):
+    peers = {
+        "schedule": {"replicas": 4, "steps": 400, "kills": [50, 175, 300], "down_s": 2.0},
+        "columns": {
+            "torchrun": {"step_s": 0.0845, "step_vs_torchrun": 1.0, "wall_s": 44.4,
+                         "goodput_samples_per_s": 576.3, "kill_to_next_commit_s": [],
+                         "steps_redone": 0, "samples_dropped": 0, "heal_bytes": None,
+                         "val_loss": 2.4473, "max_loss_dev": None},
+            "torchft": {"step_s": 0.0779, "step_vs_torchrun": 0.92, "wall_s": 62.3,
+                        "goodput_samples_per_s": 410.3, "kill_to_next_commit_s": [5.1, 5.02],
+                        "steps_redone": 0, "samples_dropped": 48, "heal_bytes": None,
+                        "val_loss": 2.4432, "max_loss_dev": 0.0169},
+        },
+    }  # fmt: skip
+    cost = {
+        "rows": [{"model": "tiny", "params_m": 0.16, "step_on_s": 0.0246, "step_off_s": 0.0244,
+                  "check_overhead": 0.011, "fingerprint_s": 0.00074,
+                  "fingerprint_vs_step": 0.030}],
+        "fingerprint_gb_per_s": 1.1,
+    }  # fmt: skip
+    md = _build(tmp_path, peers=peers, anomaly_cost=cost)
+    sec = md.split("## Side by side with the peers", 1)[1].split("\n## ")[0]
+    assert "replica 1 SIGKILLed at steps [50, 175, 300], back 2.0 s later" in sec
+    assert "| torchrun | 84.5 | 1.00 | 44.4 | 576.3 | n/a | 0 | 0 | - | 2.4473 | - |" in sec
+    assert "| torchft | 77.9 | 0.92 | 62.3 | 410.3 | 5.10, 5.02 | 0 | 48 | - | 2.4432 | 0.0169 |" \
+        in sec  # fmt: skip
+    assert "peers.py --out" in sec  # the Tool's command
+    sec = md.split("## Silent-fault checks", 1)[1].split("\n## ")[0]
+    assert "| tiny | 0.16M | 24.6 ms | 24.4 ms | +1.1% | 0.74 ms | 3.0% |" in sec
+    assert "1.10 GB/s" in sec

@@ -1,0 +1,90 @@
+"""The sections of BENCHMARKS.md on the peers side by side (`tools/bench/peers.py`) and on the
+silent-fault checks' cost (`tools/bench/anomaly_cost.py`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from report_context import tool_section
+from report_markdown import _f, _table
+
+
+@tool_section("peers")
+def section_peers(ctx: Any, doc: dict) -> list[str]:
+    """The same job and fault schedule on every system (`docs/peers.md` says how each is set
+    up and what each column means)."""
+    s = doc.get("schedule") or {}
+    out = [
+        f"The same job on every system: the demo GPTModel, {s.get('replicas', '?')} data-parallel "
+        f"replicas, {s.get('steps', '?')} steps; replica 1 SIGKILLed at steps "
+        f"{s.get('kills', '?')}, back {s.get('down_s', '?')} s later. Goodput: samples in the "
+        "final model per wall second; kill -> commit: from each kill to the next committed step; "
+        "max dev: the largest |loss - torchrun's| at a step. `docs/peers.md` reads the table.",
+        "",
+    ]
+    rows = []
+    for name, c in (doc.get("columns") or {}).items():
+        heal = [h for h in c.get("kill_to_next_commit_s") or [] if h is not None]
+        mb = c.get("heal_bytes")
+        rows.append(
+            [
+                name,
+                _f(c.get("step_s") and 1000 * c["step_s"], ".1f"),
+                _f(c.get("step_vs_torchrun"), ".2f"),
+                _f(c.get("wall_s"), ".1f"),
+                _f(c.get("goodput_samples_per_s"), ".1f"),
+                ", ".join(f"{h:.2f}" for h in heal) or "n/a",
+                str(c.get("steps_redone", "-")),
+                str(c.get("samples_dropped", "-")),
+                _f(mb and mb / 1e6, ".2f"),
+                _f(c.get("val_loss"), ".4f"),
+                _f(c.get("max_loss_dev"), ".4f"),
+            ]
+        )
+    out += _table(
+        [
+            "system",
+            "step ms",
+            "vs torchrun",
+            "wall s",
+            "goodput (samples/s)",
+            "kill -> commit s",
+            "redone",
+            "dropped",
+            "heal MB",
+            "val loss",
+            "max dev",
+        ],
+        rows,
+    )
+    return out + [""]
+
+
+@tool_section("anomaly_cost")
+def section_anomaly_cost(ctx: Any, doc: dict) -> list[str]:
+    """What the NaN/Inf checks and the state fingerprint cost a normal step."""
+    out = [
+        "One process, the real training step with the NaN/Inf checks on and off, and the state "
+        "fingerprint of the commit vote alone (fastest of interleaved rounds; "
+        "`docs/anomalies.md`).",
+        "",
+    ]
+    rows = [
+        [
+            r.get("model", "?"),
+            _f(r.get("params_m"), ".2f", "M"),
+            _f(r.get("step_on_s") and 1000 * r["step_on_s"], ".1f", " ms"),
+            _f(r.get("step_off_s") and 1000 * r["step_off_s"], ".1f", " ms"),
+            _f(None if r.get("check_overhead") is None else 100 * r["check_overhead"], "+.1f", "%"),
+            _f(r.get("fingerprint_s") and 1000 * r["fingerprint_s"], ".2f", " ms"),
+            _f(r.get("fingerprint_vs_step") and 100 * r["fingerprint_vs_step"], ".1f", "%"),
+        ]
+        for r in doc.get("rows") or []
+    ]
+    out += _table(
+        ["model", "params", "step, checks on", "checks off", "checks", "fingerprint", "vs step"],
+        rows,
+    )
+    gbs = doc.get("fingerprint_gb_per_s")
+    out += ["", f"Fingerprint throughput: {_f(gbs, '.2f', ' GB/s')} on one CPU thread."]
+    return out + [""]

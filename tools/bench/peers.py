@@ -153,21 +153,21 @@ def _env() -> dict:
 
 def _tail(path: Path, pos: tuple[int, int], now: float, out: list[dict]) -> tuple[int, int]:
     """Append the new complete lines of `path` to `out`, each stamped `seen` = now. `pos`:
-    (inode, offset). A file truncated in place (a resume keeps the rows before its checkpoint)
-    is read on from its new end; a file replaced (a new inode: a run started over, or in-job
-    recovery rewriting the rows it keeps) from its start, skipping rows already seen as they
-    are (kept history, not steps run again: a step run again has its own timings)."""
+    (inode, offset). A file replaced (a new inode: a run started over) or shrunk (in-job recovery
+    keeps the rows before its state, rewriting the file in place) is read again from its start.
+    A row already seen as it is is never added twice: it is kept history, not a step run again
+    (a step run again has its own timings). Always checked, since a poll may catch a rewrite
+    half done."""
     try:
         with open(path) as fh:
             st = os.fstat(fh.fileno())
-            offset = 0 if st.st_ino != pos[0] else min(pos[1], st.st_size)
+            rewritten = st.st_ino != pos[0] or st.st_size < pos[1]
+            offset = 0 if rewritten else pos[1]
             fh.seek(offset)
             chunk = fh.read()
     except FileNotFoundError:
         return pos
-    known = set()
-    if st.st_ino != pos[0] and pos[0] != 0:
-        known = {json.dumps({k: v for k, v in r.items() if k != "seen"}) for r in out}
+    known = {json.dumps({k: v for k, v in r.items() if k != "seen"}) for r in out}
     lines = chunk.split("\n")
     for line in lines[:-1]:
         if line.strip():

@@ -30,9 +30,15 @@ def test_a_replaced_file_adds_only_the_rows_run_again(tmp_path):
         (2, 2.0),
         (3, 2.0),
     ]
-    # truncated in place (a resume keeps the rows before its checkpoint): read on from its end
+    # rewritten in place (recovery keeps the rows before its state), caught half done: the
+    # rows kept are read again, none is added twice
+    kept = _row(0, 0.1) + _row(1, 0.1)
     with open(path, "r+") as fh:
-        fh.truncate(len(_row(0, 0.1)))
+        fh.truncate(0)
+        fh.write(kept[: len(kept) - 5])  # the poll sees a partial last line
+    pos = _tail(path, pos, 2.4, out)
+    with open(path, "a") as fh:
+        fh.write(kept[len(kept) - 5 :])
     pos = _tail(path, pos, 2.5, out)
     assert len(out) == 5
     with open(path, "a") as fh:

@@ -90,7 +90,7 @@ class AnomalyRerun:
         if first:
             self.pending.setdefault(step, []).extend(first)
             if self.writes_events():
-                post_event(store, "rerun", step=step, dp_rank=first[0], ranks=first)
+                post_event(store, "rerun", step=step, dp_rank=first[0], replicas=first)
         if again:
             self._classify(engine, step, again, suspects)
 
@@ -105,14 +105,8 @@ class AnomalyRerun:
         if self.writes_events():
             for r in odd:
                 post_event(store, "anomaly", step=step, dp_rank=r, detail=detail)
-                post_event(
-                    store,
-                    "classified",
-                    step=step,
-                    dp_rank=r,
-                    ranks=[r],
-                    kind="corruption",
-                    detail=f"{detail}: rejoins with a healthy peer's state",
+                self._post_classified(
+                    step, [r], "corruption", f"{detail}: rejoins with a healthy peer's state"
                 )
         self.healing |= set(odd)
         if m.replica not in odd:
@@ -149,15 +143,7 @@ class AnomalyRerun:
         if suspects:
             self.classified["transient"] += 1
             if self.writes_events():
-                post_event(
-                    self.plane.store,
-                    "classified",
-                    step=step,
-                    dp_rank=suspects[0],
-                    ranks=suspects,
-                    kind="transient",
-                    detail="did not reproduce on the rerun",
-                )
+                self._post_classified(step, suspects, "transient", "did not reproduce on the rerun")
 
     def _classify(self, engine, step: int, again: list[int], suspects: list[int]) -> None:
         healthy = [r for r in self.membership.members if r not in suspects]
@@ -195,15 +181,7 @@ class AnomalyRerun:
         self.classified["persistent"] += 1
         detail = "reproduced on the rerun; a healthy peer computed the same inputs finitely"
         if self.writes_events():
-            post_event(
-                self.plane.store,
-                "classified",
-                step=step,
-                dp_rank=suspect,
-                ranks=[suspect],
-                kind="persistent",
-                detail=detail,
-            )
+            self._post_classified(step, [suspect], "persistent", detail)
         if suspect == self.membership.replica:
             if self.position == 0:
                 post_event(self.plane.store, "evicted", step=step, dp_rank=suspect, detail=detail)
@@ -220,21 +198,30 @@ class AnomalyRerun:
         mbs = engine.cfg.training.micro_batch_size
         samples = [engine.train_sampler.sample_indices(step, suspect, i) for i in bad]
         if self.writes_events():
-            post_event(
-                self.plane.store,
-                "classified",
-                step=step,
-                dp_rank=suspect,
-                ranks=[suspect],
-                kind="data",
+            self._post_classified(
+                step,
+                [suspect],
+                "data",
+                "reproduced on a healthy peer: skipped"
+                if checked
+                else "every member flagged it (no peer to check): skipped",
                 microbatches=bad,
                 samples=[s for ids in samples for s in ids],
                 samples_skipped=len(bad) * mbs,
-                detail="reproduced on a healthy peer: skipped"
-                if checked
-                else "every member flagged it (no peer to check): skipped",
             )
         self.log(
             f"[failover] step {step}: replica {suspect}'s micro-batches {bad} are bad data "
             "(NaN/Inf wherever computed); skipped"
+        )
+
+    def _post_classified(self, step: int, replicas: list[int], kind: str, detail: str, **extra):
+        post_event(
+            self.plane.store,
+            "classified",
+            step=step,
+            dp_rank=replicas[0],
+            replicas=replicas,
+            kind=kind,
+            detail=detail,
+            **extra,
         )

@@ -1,7 +1,9 @@
-"""The peers benchmark (`tools/bench/peers.py`) cannot rot: a short version of every system (one
-kill, 12 steps, the tiny model, 2 replicas) runs its schedule and produces its row. No timing
+"""The peers benchmark (`tools/bench/peers.py`) cannot rot: a short version (one kill, 12 steps,
+the tiny model, 2 replicas) of every runner runs its schedule and produces its row. No timing
 assertions: what is checked is that each system trained every step, that the kill happened and
-was survived, and that the columns are there.
+was survived, and that the columns are there. Our three live modes share one runner
+(`run_mecefo`, which only adds each mode's overrides): spread-sample runs here, and the
+neighbour's and hybrid's overrides are checked to make a valid run config without a launch.
 """
 
 from __future__ import annotations
@@ -32,7 +34,28 @@ COLUMNS = {
     "val_loss",
     "max_loss_dev",
 }
+RUN = ("torchrun", "checkpoint-restart", "spread-sample", "snapshot-restart", "torchft")
+"""One system per runner (`peers.SYSTEMS` has all 7)."""
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def test_every_live_mode_is_a_valid_run_config(demo_data_dir):
+    """The modes the test does not launch: their overrides load on the demo config (a bad key or
+    value would fail the benchmark's run), and each sets the policy it is named for."""
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    import peers
+
+    from megatron_mecefo.config.loader import load_config
+    from megatron_mecefo.config.run import RunConfig
+
+    assert set(peers.SYSTEMS) == {*RUN, "neighbour", "hybrid"}
+    for name, overrides in peers.MECEFO.items():
+        cfg = load_config(RunConfig, ROOT / "configs/run/demo_cpu.yaml", overrides)
+        policy = {"neighbour": "neighbor", "hybrid": "hybrid", "spread-sample": "spread"}
+        if name in policy:
+            assert cfg.mecefo.takeover_policy == policy[name], name
+        else:
+            assert cfg.recovery.mode == "restart", name
 
 
 def test_bad_flag_is_one_line():
@@ -68,20 +91,14 @@ def test_every_system_runs_its_schedule(tmp_path, demo_data_dir):
         str(out),
         "--figure",
         str(tmp_path / "loss.png"),
+        "--systems",
+        ",".join(RUN),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=560)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     table, traces = doc["columns"], doc["traces"]
-    assert set(table) == {
-        "torchrun",
-        "checkpoint-restart",
-        "neighbour",
-        "hybrid",
-        "spread-sample",
-        "snapshot-restart",
-        "torchft",
-    }
+    assert set(table) == set(RUN)
     assert (tmp_path / "loss.png").stat().st_size > 0
     for name, row in table.items():
         assert set(row) == COLUMNS, name

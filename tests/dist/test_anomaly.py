@@ -2,7 +2,8 @@
 one `mecefo-launch` job of 4 ranks meets, in turn, a transient NaN (one attempt of one rank), bad
 data (a replica's micro-batches are NaN wherever they are computed) and a faulty device (one
 rank's outputs NaN from a step on). Each is voted down before the update, rerun inside the job and
-classified: transient -> the step is redone and the curve equals a failure-free run's; data -> the
+classified: transient -> the step is redone and the curve equals a failure-free run's (one
+reference run for the module); data -> the
 micro-batches are skipped and named; persistent -> the rank is evicted (exit 11, never restarted)
 and the survivors finish the job. No NaN reaches a parameter: the losses stay finite and the
 surviving replicas end bitwise equal."""
@@ -21,15 +22,25 @@ from tools.chaos import checks
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 STEPS = 14
-PIN = ("mecefo.takeover_policy=spread",)
-"""Both runs end inside the demo's 30 warm-up steps, so their learning rates agree step by step."""
+PIN = ("mecefo.takeover_policy=spread", "mecefo.takeover_granularity=sample")
+"""Every run ends inside the demo's 30 warm-up steps, so their learning rates agree step by step
+whatever their length."""
+REF_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def failure_free(tmp_path_factory, demo_data_dir):
+    """One failure-free reference for both tests."""
+    ref = launch(
+        tmp_path_factory.mktemp("ref"), demo_data_dir, steps=REF_STEPS, overrides=PIN, name="ref"
+    )
+    assert ref.returncode == 0, ref.explain()
+    return ref.metrics()
 
 
 def test_transient_data_and_persistent_nan_are_rerun_classified_and_healed(
-    tmp_path, demo_data_dir
+    tmp_path, demo_data_dir, failure_free
 ):
-    ref = launch(tmp_path, demo_data_dir, steps=6, overrides=PIN, name="ref")
-    assert ref.returncode == 0, ref.explain()
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -42,7 +53,7 @@ def test_transient_data_and_persistent_nan_are_rerun_classified_and_healed(
     assert [r["step"] for r in rows] == list(range(STEPS)), res.explain()
     assert all(math.isfinite(float(r["loss"])) for r in rows), [r["loss"] for r in rows]
     # transient: step 3 redone on the same members, so steps 0-5 equal the failure-free run
-    for got, want in zip(rows[:6], ref.metrics(), strict=True):
+    for got, want in zip(rows[:6], failure_free[:6], strict=True):
         assert got["loss"] == want["loss"], (got["step"], got["loss"], want["loss"])
     events = res.events()
     kinds = [(e["type"], e.get("kind"), e["step"], e.get("dp_rank")) for e in events]
@@ -77,29 +88,26 @@ def test_transient_data_and_persistent_nan_are_rerun_classified_and_healed(
 
 
 def test_a_flipped_bit_is_caught_by_the_fingerprint_and_healed_from_a_peer(
-    tmp_path, demo_data_dir
+    tmp_path, demo_data_dir, failure_free
 ):
     """bitflip:2:4 flips one bit of one parameter of replica 2 before step 4. The state
     fingerprints in step 4's vote disagree (3 against 1): the step is not committed anywhere,
     replica 2 is named, leaves (exit 7) and rejoins with a healthy peer's state; once a step
     commits with it back, `healed`. At the end every replica holds the same state, bit for bit,
     and the curve equals a failure-free run's."""
-    steps = 12
-    overrides = (*PIN, "mecefo.takeover_granularity=sample")
-    ref = launch(tmp_path, demo_data_dir, steps=steps, overrides=overrides, name="ref")
-    assert ref.returncode == 0, ref.explain()
+    steps = REF_STEPS
     res = launch(
         tmp_path,
         demo_data_dir,
         steps=steps,
         inject=("bitflip:2:4",),
-        overrides=overrides,
+        overrides=PIN,
         until_rejoined=True,
     )
     assert res.returncode == ExitCode.PREEMPTED, res.explain()  # stopped once rank 2 was back
     rows = res.metrics()
     assert [r["step"] for r in rows] == list(range(len(rows))) and len(rows) >= steps
-    for got, want in zip(rows[:steps], ref.metrics(), strict=True):
+    for got, want in zip(rows[:steps], failure_free, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=2e-5, abs=1e-6), got["step"]
     kinds = [(e["type"], e.get("kind"), e["step"], e.get("dp_rank")) for e in res.events()]
     assert ("classified", "corruption", 4, 2) in kinds, kinds

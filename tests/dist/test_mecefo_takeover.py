@@ -289,7 +289,7 @@ def _rejoin_worker(rank, demo_dir, overrides):
     commit = engine.membership.commit
     for step in range(REJOIN):
         if step == WINDOW_E0.start:  # the failure: the attempt in flight aborts and is redone
-            engine.membership.commit = lambda step, ok: False
+            engine.membership.commit = lambda step, ok, **_: False
             assert not engine.train_step(step, exact).committed
             engine.membership.commit = commit
         before = _params(engine)

@@ -30,16 +30,16 @@ def test_slice_losses_add_up_to_the_micro_batch_token_mean():
     gen = torch.Generator().manual_seed(0)
     per_token = torch.rand(6, 16, generator=gen)  # [samples, seq]: per-token losses
     mask = (torch.rand(6, 16, generator=gen) > 0.3).float()  # uneven loss tokens per sample
-    whole, report = _masked_mean_loss(mask, 1.0, None, per_token)
+    whole, report = _masked_mean_loss(mask, 1.0, None, False, per_token)
     total = float(mask.sum())
     parts = [
-        _masked_mean_loss(mask[a:b], 1.0, total, per_token[a:b])
+        _masked_mean_loss(mask[a:b], 1.0, total, False, per_token[a:b])
         for a, b in [(0, 1), (1, 4), (4, 6)]
     ]
     assert sum(float(p[0]) for p in parts) == pytest.approx(float(whole), rel=1e-6)
     assert [int(p[1]["samples"]) for p in parts] == [1, 3, 2] and int(report["samples"]) == 6
     # the slice's own token mean (what a micro-batch-counting scale would use) is not its share
-    own = _masked_mean_loss(mask[1:4], 1.0, None, per_token[1:4])[0]
+    own = _masked_mean_loss(mask[1:4], 1.0, None, False, per_token[1:4])[0]
     assert float(own) != pytest.approx(float(parts[1][0]), rel=1e-3)
 
 

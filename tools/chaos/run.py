@@ -48,9 +48,11 @@ if str(ROOT) not in sys.path:
 from tools.chaos import checks  # noqa: E402
 from tools.chaos.job import JOB_ENV, Job, Probe, _kill, _killpg  # noqa: E402
 from tools.chaos.schedule import (  # noqa: E402
+    FAIL_STOP,
     KIND_HELP,
     KINDS,
     PASSING_TODAY,
+    SILENT,
     STORES,
     Fault,
     Schedule,
@@ -77,7 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (agents)")
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--max-steps", type=int, default=40)
-    p.add_argument("--kinds", default=",".join(KINDS), help=f"comma list of {', '.join(KINDS)}")
+    p.add_argument(
+        "--kinds",
+        default=",".join(FAIL_STOP),
+        help=f"comma list of {', '.join(KINDS)} (default: all but {', '.join(SILENT)})",
+    )
     p.add_argument(
         "--store",
         choices=STORES,
@@ -457,7 +463,8 @@ def _notes(job: Job, faults: Faults, events: list[dict]) -> list[str]:
                 notes.append(f"{f.describe()} (trainer-side) never fired")
                 continue
             fired.add(f.describe())
-        dies = f.kind in ("kill", "exception") or (f.kind == "stop" and f.hold_s > 3.0)
+        # a flipped bit takes its replica out (it rejoins healed); a transient NaN does not
+        dies = f.kind in ("kill", "exception", "bitflip") or (f.kind == "stop" and f.hold_s > 3.0)
         if dies and f.describe() in fired and not failed.get(f.rank):
             notes.append(f"{f.describe()}: fired, but no failure event for rank {f.rank}")
     return notes

@@ -29,6 +29,8 @@ KINDS = (
     "cpu_hog",
     "etcd_kill",
     "head_node_loss",
+    "nan",
+    "bitflip",
 )
 """Every fault kind, in the order schedules cycle through them (`Fault.kind`)."""
 KIND_HELP = {
@@ -50,7 +52,15 @@ KIND_HELP = {
     "later; a member still down from an earlier etcd_kill is restarted first (a quorum stays)",
     "head_node_loss": "node_loss of the node that coordinates: tcp, node 0 (its store: exit 6); "
     "etcd, the node whose candidate was elected (a new one is elected: exit 0)",
+    "nan": "a silent numerical fault: one attempt of a step turns NaN on a rank (--inject "
+    "nan:RANK:STEP); voted down, rerun, classified transient",
+    "bitflip": "silent data corruption: one bit of one parameter of a rank flips before a step "
+    "(--inject bitflip:RANK:STEP); caught by the state fingerprint, the rank rejoins healed",
 }
+SILENT = ("nan", "bitflip")
+"""Trainer-side faults that no process death announces (`docs/anomalies.md`); opt-in (`--kinds`)."""
+FAIL_STOP = tuple(k for k in KINDS if k not in SILENT)
+"""The default kinds: what the soak drew before the silent kinds existed (old seeds reproduce)."""
 STORES = ("tcp", "etcd")
 """The control-plane stores a schedule runs on (`mecefo-launch --store`)."""
 PASSING_TODAY = KINDS
@@ -93,7 +103,7 @@ class Fault:
     @property
     def by_trainer(self) -> bool:
         """Fired by the trainer itself through `--inject` (fixed before launch)."""
-        return self.kind == "exception" or self.at == "rejoin"
+        return self.kind in ("exception", *SILENT) or self.at == "rejoin"
 
     def inject_arg(self) -> str:
         """The trainer's `--inject` value of a `by_trainer` fault."""
@@ -446,7 +456,7 @@ def _draw(
     if together is not None:
         rank, step, why = together
     taken = {(f.rank, f.step) for f in prior if f.by_trainer}
-    if kind == "exception":
+    if kind in ("exception", *SILENT):
         if together is None:
             step = rng.randint(0, last_step)
         while (rank, step) in taken:  # one injection per (rank, step)

@@ -20,6 +20,7 @@ import pytest
 from megatron_mecefo.metrics.summary import job_wide
 from tools.chaos import checks
 from tools.chaos.schedule import (
+    FAIL_STOP,
     KINDS,
     PASSING_TODAY,
     Fault,
@@ -135,9 +136,9 @@ def test_the_plain_layout_draws_what_it_drew_before_the_layouts_existed():
     before = [
         (dict(seed=0, index=1, max_steps=30, kinds=rank_faults),  # the e2e rank-faults case
          "stop r0@start 0.7s, smp_kill n1@15 snap=1"),
-        (dict(seed=101, index=5, max_steps=40, kinds=KINDS),  # README's soak
+        (dict(seed=101, index=5, max_steps=40, kinds=FAIL_STOP),  # README's soak (default)
          "coordinator_kill@start, coordinator_kill@3"),
-        (dict(seed=11, index=3, max_steps=40, kinds=KINDS, store="etcd"),
+        (dict(seed=11, index=3, max_steps=40, kinds=FAIL_STOP, store="etcd"),
          "cpu_hog@3 8.4s, smp_kill n1@7, agent_kill n1@22 snap=1 etcd"),
     ]  # fmt: skip
     for kw, drawn in before:
@@ -524,3 +525,13 @@ def test_leftover_shared_memory_is_reported(tmp_path):
     (folder / "node0000" / "rank00000.slot0").write_bytes(b"x")
     (v,) = checks.check_shm(folder)
     assert "leftover shared memory" in v and "rank00000.slot0" in v
+
+
+def test_silent_kinds_are_trainer_side_injections():
+    plans = schedules(3, 12, kinds=("nan", "bitflip"), **LAYOUT)
+    faults = [f for p in plans for f in p.faults]
+    assert {f.kind for f in faults} == {"nan", "bitflip"}
+    for f in faults:
+        assert f.by_trainer and f.at == "step" and f.rank is not None
+        assert f.inject_arg() == f"{f.kind}:{f.rank}:{f.step}"
+    assert not set(FAIL_STOP) & {"nan", "bitflip"}  # the default draws what it drew before

@@ -115,6 +115,8 @@ def test_every_system_runs_its_schedule(tmp_path, demo_data_dir):
         assert row["samples_counted_twice"] == 0, name
         if name == "torchft":  # torchft trains on without the dead replica's samples
             assert row["samples_dropped"] > 0
+            # the restarted replica healed from a peer: its HTTP transport's state dict
+            assert row["heal_bytes"] > 100_000, row["heal_bytes"]
         else:  # every other system keeps the global batch
             assert row["samples_dropped"] == 0, name
     assert table["checkpoint-restart"]["restarts"] == 1  # torchrun restarted the job once

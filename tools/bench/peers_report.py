@@ -5,8 +5,9 @@ rows merged into one row per committed step).
 A trace: `start` (epoch s), `wall_s`, `rows` (one per committed step, in commit order: `step`,
 `time` epoch s, `loss` of the global batch, `samples` it trained on; a step committed again after
 a rollback has a second row), `kill_times` (epoch s), `uncommitted_attempts` (step attempts the
-system redid without logging them), `global_batch` (samples), `heal_bytes` (None: not reported),
-`val_loss` (None: not measured), `restarts` and `kill_steps` (the schedule).
+system redid without logging them), `global_batch` (samples), `heal_bytes` (the serialised state
+that rejoining or healing replicas received; None: none did, or they restarted from saved
+state), `val_loss` (None: not measured), `restarts` and `kill_steps` (the schedule).
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ def torchft_trace(out: Path, replicas: int, start: float, wall_s: float, kills) 
     by_step: dict[int, list[dict]] = {}
     uncommitted = set()
     val = None
+    heal: list[int] = []
     for r in range(replicas):
         for row in read_jsonl(out / f"rows_replica{r}.jsonl"):
             if "val_loss" in row:
                 val = row["val_loss"]
+            elif "heal_bytes" in row:
+                heal.append(row["heal_bytes"])
             elif not row["committed"]:
                 uncommitted.add(row["step"])
             elif row["participating"]:
@@ -53,7 +57,7 @@ def torchft_trace(out: Path, replicas: int, start: float, wall_s: float, kills) 
         "rows": rows,
         "kill_times": list(kills),
         "uncommitted_attempts": len(uncommitted),
-        "heal_bytes": None,  # torchft does not report what its HTTP transport sent
+        "heal_bytes": sum(heal) if heal else None,  # state dicts its HTTP transport delivered
         "val_loss": val,
         "restarts": restarts,
     }

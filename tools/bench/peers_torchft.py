@@ -152,9 +152,12 @@ def build(cfg, data, args):
         inner.load_state_dict(sd["optim"])
 
     # torchft's README: ProcessGroupGloo, Manager(min_replica_size=1); short collective timeouts
-    # so that a dead peer fails the step in seconds
+    # so that a dead peer fails the step in seconds; its default HTTP transport, counting what a
+    # healing replica receives
+    transport = counting_transport(timedelta(seconds=10))
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        checkpoint_transport=transport,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=1,
@@ -172,13 +175,37 @@ def build(cfg, data, args):
 
     inner.register_step_pre_hook(before_update)
     ddp = DistributedDataParallel(manager, model)
-    return model, sampler, manager, ddp, OptimizerWrapper(manager, inner)
+    return model, sampler, manager, ddp, OptimizerWrapper(manager, inner), transport
+
+
+def counting_transport(timeout):
+    """torchft's default checkpoint transport (`HTTPTransport`, as `Manager` builds it), whose
+    `received` lists the bytes of each state dict a healing replica received: the size of its
+    `torch.save` serialisation, which is what the transport sends (our rejoin `bytes` count the
+    same way)."""
+    import io
+
+    import torch
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Counting(HTTPTransport):
+        received: list[int] = []
+
+        def recv_checkpoint(self, *args, **kwargs):
+            state = super().recv_checkpoint(*args, **kwargs)
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            self.received.append(buf.tell())
+            return state
+
+    return Counting(timeout=timeout, num_chunks=0)
 
 
 def train(cfg, data, args, out_dir: Path, kill_dir: Path, incarnation: int) -> None:
     """Steps until the job's last one, a row per attempt; then replica 0's validation loss."""
     tc = cfg.training
-    model, sampler, manager, ddp, optimizer = build(cfg, data, args)
+    model, sampler, manager, ddp, optimizer, transport = build(cfg, data, args)
+    healed = 0
     if incarnation == 0:
         wait_ready(out_dir, args.replica, args.replicas)
     kills = {int(s) for s in args.kills.split(",") if s}
@@ -210,6 +237,9 @@ def train(cfg, data, args, out_dir: Path, kill_dir: Path, incarnation: int) -> N
             "incarnation": incarnation,
         }
         rows.write(json.dumps(row) + "\n")
+        for size in transport.received[healed:]:  # a heal during this step's quorum
+            rows.write(json.dumps({"heal_bytes": size, "time": time.time()}) + "\n")
+        healed = len(transport.received)
     if manager.current_step() >= args.steps:
         done.write_text(str(manager.current_step()))
         if args.replica == 0:

@@ -269,19 +269,24 @@ class Engine:
         None on a rank without losses (not the last pipeline stage). The rerun of a suspect's
         step on a healthy peer (`failover/trainer/rerun.py`)."""
         m = self.cfg.training.num_microbatches
+        tasks = [MicroBatchTask(source, i) for i in range(m)]
+        outputs = self._forward_only(tasks, self.train_sampler, step, training=True)
+        return [math.isfinite(float(o["loss"])) for o in outputs] if outputs else None
+
+    def _forward_only(self, tasks, sampler, step: int, *, training: bool) -> list:
+        """megatron's schedule over `tasks`, forward only: each task's loss report."""
         fwd = functools.partial(
-            self._forward_step, sampler=self.train_sampler, step=step, loss_scale=1.0
+            self._forward_step, sampler=sampler, step=step, loss_scale=1.0, training=training
         )
-        outputs = stack.forward_backward(
+        return stack.forward_backward(
             self.ddp,
             fwd,
-            iter([MicroBatchTask(source, i) for i in range(m)]),
-            num_microbatches=m,
+            iter(tasks),
+            num_microbatches=len(tasks),
             seq_length=self.cfg.model.seq_length,
             micro_batch_size=self.cfg.training.micro_batch_size,
             forward_only=True,
         )
-        return [math.isfinite(float(o["loss"])) for o in outputs] if outputs else None
 
     # ------------------------------------------------------------------ eval
     @torch.no_grad()
@@ -295,22 +300,7 @@ class Engine:
         mine = [MicroBatchTask(0, i) for i in range(m.position, num, m.size)]
         outputs = []
         if mine:
-            fwd = functools.partial(
-                self._forward_step,
-                sampler=self.valid_sampler,
-                step=0,
-                loss_scale=1.0,
-                training=False,
-            )
-            outputs = stack.forward_backward(
-                self.ddp,
-                fwd,
-                iter(mine),
-                num_microbatches=len(mine),
-                seq_length=self.cfg.model.seq_length,
-                micro_batch_size=self.cfg.training.micro_batch_size,
-                forward_only=True,
-            )
+            outputs = self._forward_only(mine, self.valid_sampler, 0, training=False)
         self.membership.begin_attempt()
         return self._global_mean_loss(outputs)[0]
 

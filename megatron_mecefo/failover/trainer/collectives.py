@@ -132,6 +132,13 @@ class AbortableCollectives:
     def reset(self) -> None:
         self.failed = None
 
+    def _bounded(self, opts):
+        """`opts` with this collective's timeout (`timeout()`), if it has one."""
+        timeout = self.timeout()
+        if timeout is not None:
+            opts.timeout = timeout
+        return opts
+
     def _skip(self, what: str) -> bool:
         why = self.lost()
         if why is None:
@@ -147,11 +154,8 @@ class AbortableCollectives:
         if self._skip("all-reduce"):
             return False
         stage = tensor.clone()  # an abandoned collective may still write into its buffer later
-        opts = dist.AllreduceOptions()
+        opts = self._bounded(dist.AllreduceOptions())
         opts.reduceOp = dist.ReduceOp.SUM
-        timeout = self.timeout()
-        if timeout is not None:
-            opts.timeout = timeout
         error = wait_work(
             group.allreduce([stage], opts), "all-reduce", backend=self.backend, lost=self.lost
         )
@@ -166,10 +170,7 @@ class AbortableCollectives:
         if self._skip("all-gather"):
             return False
         stage = torch.empty_like(out)
-        opts = c10d.AllgatherOptions()
-        timeout = self.timeout()
-        if timeout is not None:
-            opts.timeout = timeout
+        opts = self._bounded(c10d.AllgatherOptions())
         error = wait_work(
             group._allgather_base(stage, tensor.contiguous(), opts),
             "all-gather",

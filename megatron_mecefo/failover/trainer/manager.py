@@ -97,7 +97,6 @@ class FailoverManager(RunControl):
         self.bound = CollectiveBound(
             backend, fcfg.collective_timeout_floor_s, fcfg.collective_timeout_factor
         )
-        self._step_began = 0.0
         self.membership = LiveMembership(
             num_replicas=world_size // per_replica,
             replica=self.replica,
@@ -380,7 +379,6 @@ class FailoverManager(RunControl):
             self.vote.pending = None
             self.regroup.adopt(engine, gen, key, is_leader=lambda: self.is_leader)
         self.plane.set_phase("compute", step)
-        self._step_began = time.monotonic()
         self._step_plan = self._plan(step) or engine.default_plan()
         return self._step_plan
 
@@ -400,7 +398,7 @@ class FailoverManager(RunControl):
                 )
             return {}
         self.plane.next_step = result.step + 1
-        self.bound.step_took(time.monotonic() - self._step_began)
+        self.bound.step_took(result.step_time_s)
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and train_state.is_sharded(engine.optimizer):

@@ -8,6 +8,7 @@ from megatron_mecefo.config.anomaly import AnomalyConfig
 from megatron_mecefo.config.checkpoint import CheckpointConfig
 from megatron_mecefo.config.failover import FailoverConfig
 from megatron_mecefo.config.snapshot import RecoveryConfig, SnapshotConfig
+from megatron_mecefo.config.straggler import StragglerConfig
 from megatron_mecefo.config.training import TrainingConfig
 from megatron_mecefo.data.config import DataConfig
 from megatron_mecefo.mcore.config import ModelConfig, ParallelConfig
@@ -44,7 +45,10 @@ class RunConfig:
     recovery: RecoveryConfig = dataclasses.field(default_factory=RecoveryConfig)
     """Failover (keep training) or checkpoint-restart, and the recovery order."""
     anomaly: AnomalyConfig = dataclasses.field(default_factory=AnomalyConfig)
-    """NaN/Inf in a step: voted down, rerun and classified inside the job (`docs/anomalies.md`)."""
+    """NaN/Inf and spikes in a step: voted down, rerun and classified inside the job
+    (`docs/anomalies.md`)."""
+    straggler: StragglerConfig = dataclasses.field(default_factory=StragglerConfig)
+    """Replicas persistently slower than their peers get smaller shares (`docs/anomalies.md`)."""
 
     def __post_init__(self) -> None:
         if not self.run_dir:

@@ -196,6 +196,12 @@ def anomalies(gen: int, step: int, attempt: int) -> str:
     return f"anomalies/{gen}/{step}/{attempt}"
 
 
+def pace(gen: int, step: int, attempt: int, rank: int) -> str:
+    """Rank `rank`'s compute seconds per sample (its median over the straggler window; 0:
+    not known yet), set before it votes (gen, step, attempt) (`failover/trainer/straggler.py`)."""
+    return f"pace/{gen}/{step}/{attempt}/{rank}"
+
+
 def fingerprint(gen: int, step: int, attempt: int, rank: int) -> str:
     """Rank `rank`'s state fingerprint at (gen, step, attempt) (TP x PP > 1: compared by the
     last voter, position by position)."""

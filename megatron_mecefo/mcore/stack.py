@@ -10,6 +10,7 @@ makes the collective abortable; a failed reduction is recorded there and decided
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -192,6 +193,11 @@ class PlanGradReducer:
         """The parameters `attention_grad_scale` applies to (held on a step with E = 0)."""
         self.check_grad: Callable[[torch.Tensor], None] | None = None
         """Sees each local gradient buffer before it is scaled and reduced (NaN/Inf checks)."""
+        self.comm_s = 0.0
+        """`clock` seconds spent in the reductions (waits for slower members included); the
+        engine zeroes it each step to tell a rank's own compute time from its waits."""
+        self.clock: Callable[[], float] = time.perf_counter
+        """The engine's compute clock (`Engine.train_step`)."""
 
     @staticmethod
     def _build_masks(ddp, is_masked_param) -> list[torch.Tensor | None]:
@@ -229,7 +235,9 @@ class PlanGradReducer:
             # a failure is recorded in membership.failed (the commit vote then discards this
             # step); the remaining buffers are still reduced so every member issues the same
             # collectives
+            t0 = self.clock()
             self.membership.all_reduce(grad)
+            self.comm_s += self.clock() - t0
 
 
 def install_grad_reducer(ddp, tcfg, reducer: PlanGradReducer) -> None:

@@ -11,7 +11,8 @@ One JSON object per line. Required fields:
               replica's NaN/Inf, `detail` says what), rerun, classified (extra `kind`: transient,
               data, persistent or corruption; data names `microbatches`, `samples`,
               `samples_skipped`), evicted, healed (a corrupt replica committed again with a
-              healthy peer's state)
+              healthy peer's state), rebalanced (a straggler's share changed,
+              `failover/trainer/straggler.py`)
   step        training step at which the event happened (int >= 0)
   dp_rank     DP rank concerned (int >= 0), or null for job-wide events (restart, checkpoint, ...);
               failure and rejoin events always name one
@@ -61,6 +62,7 @@ EVENT_TYPES = (
     "classified",
     "evicted",
     "healed",
+    "rebalanced",
 )
 
 _REQUIRED = ("type", "step", "dp_rank", "time_s")

@@ -32,6 +32,7 @@ COUNTED = (
     ("classified", "classified"),
     ("evictions", "evicted"),
     ("healed", "healed"),
+    ("rebalanced", "rebalanced"),
 )
 """Summary counters (failover.<key>) that are the number of events of a type."""
 

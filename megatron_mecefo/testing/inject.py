@@ -20,6 +20,10 @@ state transfer. Kinds:
              `nan:RANK:STEP` poisons one attempt of STEP (transient); `nan:RANK:STEP:persistent`
              every attempt from STEP on (a faulty device); `nan:RANK:STEP:data` the micro-batches
              of RANK's replica at STEP, on whichever rank computes them (bad data)
+  spike      the same three modes, but the micro-batches' losses (and so their gradients) are
+             multiplied by `training/anomaly.SPIKE` instead: a loss spike, finite
+  slow       a straggler: `slow:RANK:FACTOR:FROM` makes RANK compute FACTOR times slower (a sleep
+             in proportion to its own compute time) from step FROM to the end
   bitflip    silent data corruption: at the start of STEP (after the previous update) flip one
              bit of one parameter on RANK (`BITFLIP_BIT` of its first element); caught by the
              state fingerprint in the commit vote
@@ -28,6 +32,7 @@ state transfer. Kinds:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import time
@@ -36,10 +41,12 @@ from megatron_mecefo.control import keys
 from megatron_mecefo.errors import ConfigError
 from megatron_mecefo.training.hooks import TrainHook
 
-KINDS = ("kill", "hang", "exception", "stall", "starve", "nan", "bitflip")
+KINDS = ("kill", "hang", "exception", "stall", "starve", "nan", "spike", "slow", "bitflip")
 BITFLIP_BIT = 20
 """The flipped bit of a 32-bit parameter (a mantissa bit: the value moves, it stays finite)."""
 NAN_MODES = ("persistent", "data")
+NUMERICAL = ("nan", "spike")
+"""Kinds that poison a rank's outputs (`NAN_MODES` apply to them)."""
 STARVE_S = 8
 AT_REJOIN = -1
 """`InjectionSpec.step` of a failure during a rejoin's state transfer."""
@@ -60,7 +67,9 @@ class InjectionSpec:
     down_steps: int | None = None
     """Steps until the agent restarts the rank (None: its restart delay)."""
     mode: str | None = None
-    """`nan` only: None (one attempt), `persistent` or `data` (`NAN_MODES`)."""
+    """`nan`/`spike` only: None (one attempt), `persistent` or `data` (`NAN_MODES`)."""
+    factor: float | None = None
+    """`slow` only: how many times slower the rank computes."""
 
 
 def parse_inject(text: str) -> InjectionSpec:
@@ -68,12 +77,14 @@ def parse_inject(text: str) -> InjectionSpec:
     parts = text.split(":")
     usage = (
         f"--inject {text!r}: expected KIND:RANK:STEP[:DOWN_STEPS] with KIND in {KINDS}, "
-        f"or nan:RANK:STEP[:{'|'.join(NAN_MODES)}]"
+        f"nan|spike:RANK:STEP[:{'|'.join(NAN_MODES)}] or slow:RANK:FACTOR:FROM"
     )
     if len(parts) not in (3, 4) or parts[0] not in KINDS:
         raise ConfigError(usage)
+    if parts[0] == "slow":
+        return _parse_slow(parts, usage)
     mode = None
-    if parts[0] == "nan" and len(parts) == 4:
+    if parts[0] in NUMERICAL and len(parts) == 4:
         if parts[3] not in NAN_MODES:
             raise ConfigError(usage)
         mode = parts.pop()
@@ -87,10 +98,22 @@ def parse_inject(text: str) -> InjectionSpec:
         raise ConfigError(usage) from None
     if nums[0] < 0 or nums[1] < AT_REJOIN or (len(nums) == 3 and nums[2] < 1):
         raise ConfigError(f"{usage}; RANK and STEP must be >= 0 and DOWN_STEPS >= 1")
-    if parts[0] in ("nan", "bitflip") and nums[1] == AT_REJOIN:
+    if parts[0] in (*NUMERICAL, "bitflip") and nums[1] == AT_REJOIN:
         raise ConfigError(f"{usage}; a {parts[0]} injection needs a step number")
     down = nums[2] if len(nums) == 3 else None
     return InjectionSpec(parts[0], nums[0], nums[1], down, mode)
+
+
+def _parse_slow(parts: list[str], usage: str) -> InjectionSpec:
+    try:
+        if len(parts) != 4 or not (parts[1].isdigit() and parts[3].isdigit()):
+            raise ValueError
+        factor = float(parts[2])
+    except ValueError:
+        raise ConfigError(usage) from None
+    if not 1 < factor < 100:
+        raise ConfigError(f"{usage}; FACTOR must be > 1 and < 100")
+    return InjectionSpec("slow", int(parts[1]), int(parts[3]), factor=factor)
 
 
 def from_scenario(path: str, tp_size: int) -> list[InjectionSpec]:
@@ -145,7 +168,8 @@ def check_steps(specs: list[InjectionSpec], max_steps: int) -> None:
 
 class Injector(TrainHook):
     """Fires this rank's injections (each once per job, claimed through the store), and marks
-    the bad data of every `nan:...:data` injection on every rank (data is bad wherever it goes)."""
+    the bad data of every `nan|spike:...:data` injection on every rank (data is bad wherever it
+    goes)."""
 
     def __init__(self, specs, store, rank: int, incarnation: int, replica_size: int = 1):
         self.specs = [s for s in specs if s.rank == rank and s.mode != "data"]
@@ -165,7 +189,8 @@ class Injector(TrainHook):
     def before_step(self, engine, step: int) -> None:
         for spec in self.data:
             if spec.step == step:
-                engine.anomaly.poison_data.add((step, spec.rank // self.replica_size))
+                key = (step, spec.rank // self.replica_size)
+                engine.anomaly.poison_data[key] = _poison_value(spec)
         self._engine = engine
         self.maybe_fire(step)
 
@@ -205,18 +230,27 @@ class Injector(TrainHook):
         elif spec.kind == "stall":
             while True:
                 time.sleep(3600)
-        elif spec.kind == "nan":
+        elif spec.kind in NUMERICAL:
             guard = self._engine.anomaly
+            guard.poison_value = _poison_value(spec)
             if spec.mode == "persistent":
                 guard.poison_from = step
             else:
                 guard.poison_attempts = 1
         elif spec.kind == "bitflip":
             flip_bit(self._engine)
+        elif spec.kind == "slow":
+            self._engine.slow_factor = spec.factor
         elif spec.kind == "starve":
             import ctypes
 
             ctypes.PyDLL(None).sleep(STARVE_S)  # PyDLL: the GIL is held through the call
+
+
+def _poison_value(spec: InjectionSpec) -> float:
+    from megatron_mecefo.training.anomaly import SPIKE
+
+    return SPIKE if spec.kind == "spike" else math.nan
 
 
 def flip_bit(engine) -> None:

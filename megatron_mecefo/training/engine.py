@@ -61,6 +61,12 @@ class StepResult:
     (n x M when nothing was lost; a lost slice makes it fall short)."""
     global_samples: int = 0
     """Samples the whole group ran this step (n x M x micro-batch size when nothing was lost)."""
+    samples: int = 0
+    """Samples this rank ran."""
+    compute_s: float = 0.0
+    """This rank's own forward and backward time, its reductions excluded: on CPU this thread's
+    CPU time (what it computed, whatever else shares the cores), on a GPU wall time
+    (`failover/trainer/straggler.py` compares it across replicas)."""
 
 
 class Engine:
@@ -89,9 +95,14 @@ class Engine:
         self.controller = controller
         self.reducer = reducer
         self.membership = membership
-        self.anomaly = AnomalyGuard(cfg.anomaly.enabled)
-        """This rank's NaN/Inf verdict on each step attempt (`training/anomaly.py`)."""
+        self.anomaly = AnomalyGuard(cfg.anomaly)
+        """This rank's NaN/Inf and spike verdict on each step attempt (`training/anomaly.py`)."""
         reducer.check_grad = self.anomaly.check_grad
+        reducer.clock = time.thread_time if ctx.on_cpu else time.perf_counter
+        self.slow_factor = 1.0
+        """Injected: this rank computes this many times slower (`--inject slow:...`)."""
+        self.last_compute_s = 0.0
+        """The last attempt's `StepResult.compute_s` (the tasks audit logs it)."""
         self.before_update: list[Callable[[], None]] = []
         """Called just before the optimizer update of a committed step (a snapshot still copying
         the previous state waits here)."""
@@ -143,6 +154,9 @@ class Engine:
         # 1/M (see step_plan); a slice's loss is already its share of its micro-batch's
         loss_scale = len(plan.tasks) / plan.microbatches_per_replica
         sampler = self._sampler_for(plan)
+        clock = self.reducer.clock
+        self.reducer.comm_s = 0.0
+        t_compute = clock()
         fwd = functools.partial(
             self._forward_step, sampler=sampler, step=step, loss_scale=loss_scale
         )
@@ -155,18 +169,32 @@ class Engine:
             micro_batch_size=tc.micro_batch_size,
         )
         self.controller.set_degraded(False)
-        self.anomaly.check_losses([float(o["loss"]) for o in outputs])
+        if not self.ctx.on_cpu:
+            torch.cuda.synchronize()
+        compute_s = clock() - t_compute - self.reducer.comm_s
+        if self.slow_factor > 1:  # an injected straggler (`--inject slow:...`)
+            _stall((self.slow_factor - 1) * compute_s, clock)
+            compute_s = clock() - t_compute - self.reducer.comm_s
+        self.last_compute_s = compute_s
+        samples = sum(t.num_samples(tc.micro_batch_size) for t in plan.tasks)
+        self.anomaly.check_losses(
+            [float(o["loss"]) for o in outputs], units=samples / tc.micro_batch_size
+        )
+        exact = self._exact(plan, step)
+        ordinary = exact and self._own(plan)
+        self.anomaly.check_spikes(loss_ok=exact, grad_ok=ordinary)
         loss, global_samples = self._global_mean_loss(outputs)
         # a rank whose last parameter all-gather failed has stale parameters: never commit on them
         fresh = not getattr(self.optimizer, "stale", False)
         committed = self.membership.commit(
             step,
             self.membership.failed is None and fresh,
-            anomaly=self.anomaly.reason,
+            anomaly=self.anomaly.record(),
             fingerprint=fp,
         )
         updated, grad_norm = False, 0.0
         if committed:
+            self.anomaly.accept(loss_ok=exact, grad_ok=ordinary)
             for wait in self.before_update:
                 wait()
             # E = 0: no member computed attention grads; AdamW must not move those weights
@@ -176,7 +204,6 @@ class Engine:
         else:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
-        samples = sum(t.num_samples(tc.micro_batch_size) for t in plan.tasks)
         tokens = samples * self.cfg.model.seq_length
         global_tokens = (
             plan.num_replicas
@@ -196,7 +223,24 @@ class Engine:
             committed=committed,
             global_microbatches=global_samples // tc.micro_batch_size,
             global_samples=global_samples,
+            samples=samples,
+            compute_s=compute_s,
         )
+
+    def _exact(self, plan: RankStepPlan, step: int) -> bool:
+        """No task of `plan` is degraded or skipped as bad data: its loss can be judged."""
+        return not any(
+            t.degraded or self.anomaly.is_skipped(step, t.source_dp_rank, t.micro_index)
+            for t in plan.tasks
+        )
+
+    def _own(self, plan: RankStepPlan) -> bool:
+        """Is `plan` this rank's failure-free work (its own micro-batches, whole)? Only then is
+        its local gradient norm comparable from step to step."""
+        r, m = self.membership.replica, self.cfg.training.num_microbatches
+        return [(t.source_dp_rank, t.micro_index, t.samples) for t in plan.tasks] == [
+            (r, i, None) for i in range(m)
+        ]
 
     def _sampler_for(self, plan: RankStepPlan) -> MicroBatchSampler:
         s = self.train_sampler
@@ -234,8 +278,9 @@ class Engine:
         labels = batch["labels"].to(device, non_blocking=True)
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         output = model(tokens, position_ids, None, labels=labels)
-        if training and not skipped and self.anomaly.poisoned(step, task.source_dp_rank):
-            output = output * math.nan  # an injected fault (`--inject nan:...`)
+        poison = self.anomaly.poison(step, task.source_dp_rank) if training else None
+        if poison is not None and not skipped:
+            output = output * poison  # an injected fault (`--inject nan:...`, `spike:...`)
         return output, functools.partial(
             _masked_mean_loss, loss_mask, loss_scale, denominator, skipped
         )
@@ -263,15 +308,15 @@ class Engine:
         return float(total[0] / max(float(total[1]) / mbs, 1.0)), int(total[1])
 
     @torch.no_grad()
-    def forward_check(self, step: int, source: int) -> list[bool] | None:
+    def forward_check(self, step: int, source: int) -> list[float] | None:
         """Recompute replica `source`'s micro-batches of `step` forward-only with this rank's
-        parameters (which equal the suspect's: replicas are bitwise equal): is each loss finite?
+        parameters (which equal the suspect's: replicas are bitwise equal): each one's loss.
         None on a rank without losses (not the last pipeline stage). The rerun of a suspect's
         step on a healthy peer (`failover/trainer/rerun.py`)."""
         m = self.cfg.training.num_microbatches
         tasks = [MicroBatchTask(source, i) for i in range(m)]
         outputs = self._forward_only(tasks, self.train_sampler, step, training=True)
-        return [math.isfinite(float(o["loss"])) for o in outputs] if outputs else None
+        return [float(o["loss"]) for o in outputs] if outputs else None
 
     def _forward_only(self, tasks, sampler, step: int, *, training: bool) -> list:
         """megatron's schedule over `tasks`, forward only: each task's loss report."""
@@ -308,6 +353,17 @@ class Engine:
         from megatron_mecefo.mcore.parallel import destroy_parallel
 
         destroy_parallel()
+
+
+def _stall(seconds: float, clock) -> None:
+    """Take `seconds` more of `clock`: on CPU (this thread's CPU time) a busy loop, as a slower
+    CPU would; on a GPU (wall time) a sleep, as a host waiting for a slower device."""
+    if clock is time.perf_counter:
+        time.sleep(seconds)
+        return
+    end = clock() + seconds
+    while clock() < end:
+        pass
 
 
 def _masked_mean_loss(

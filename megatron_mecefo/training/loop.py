@@ -101,6 +101,7 @@ def _train(engine, logger, hooks, control, start_step: int) -> dict[str, Any]:
         "final_val_loss": val_losses[-1][1] if val_losses else None,
         "mean_tokens_per_s": sum(tok_rates) / len(tok_rates) if tok_rates else None,
         "entropy_floor_nats_per_token": engine.data.entropy_floor_nats_per_token,
+        "spike_peaks": engine.anomaly.peaks(),
     }
     for hook in hooks:
         hook.on_train_end(engine, summary)

@@ -1,17 +1,19 @@
 """Silent numerical faults with real processes (`training/anomaly.py`, `failover/trainer/rerun.py`):
-one `mecefo-launch` job of 4 ranks meets, in turn, a transient NaN (one attempt of one rank), bad
-data (a replica's micro-batches are NaN wherever they are computed) and a faulty device (one
-rank's outputs NaN from a step on). Each is voted down before the update, rerun inside the job and
-classified: transient -> the step is redone and the curve equals a failure-free run's (one
-reference run for the module); data -> the
+one `mecefo-launch` job of 4 ranks meets, in turn, a transient NaN (one attempt of one rank), a
+transient loss spike, bad data (a replica's micro-batches are NaN wherever they are computed), bad
+data that spikes the loss, and a faulty device (one rank's outputs NaN from a step on). Each is
+voted down before the update, rerun inside the job and classified: transient -> the step is redone
+and the curve equals a failure-free run's (one reference run for the module); data -> the
 micro-batches are skipped and named; persistent -> the rank is evicted (exit 11, never restarted)
 and the survivors finish the job. No NaN reaches a parameter: the losses stay finite and the
-surviving replicas end bitwise equal."""
+surviving replicas end bitwise equal. The spike window is warm after 3 steps here (20 by
+default) so that a short job can meet spikes; the thresholds are the defaults."""
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 
@@ -21,8 +23,9 @@ from tools.chaos import checks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
-STEPS = 14
+STEPS = 15
 PIN = ("mecefo.takeover_policy=spread", "mecefo.takeover_granularity=sample")
+SPIKES = ("anomaly.spike_warmup=3",)
 """Every run ends inside the demo's 30 warm-up steps, so their learning rates agree step by step
 whatever their length."""
 REF_STEPS = 12
@@ -38,21 +41,21 @@ def failure_free(tmp_path_factory, demo_data_dir):
     return ref.metrics()
 
 
-def test_transient_data_and_persistent_nan_are_rerun_classified_and_healed(
+def test_transient_data_and_persistent_faults_are_rerun_classified_and_healed(
     tmp_path, demo_data_dir, failure_free
 ):
     res = launch(
         tmp_path,
         demo_data_dir,
         steps=STEPS,
-        inject=("nan:1:3", "nan:2:6:data", "nan:3:9:persistent"),
-        overrides=PIN,
+        inject=("nan:1:3", "spike:0:4", "nan:2:6:data", "spike:1:8:data", "nan:3:10:persistent"),
+        overrides=PIN + SPIKES,
     )
     assert res.returncode == ExitCode.OK, res.explain()
     rows = res.metrics()
     assert [r["step"] for r in rows] == list(range(STEPS)), res.explain()
     assert all(math.isfinite(float(r["loss"])) for r in rows), [r["loss"] for r in rows]
-    # transient: step 3 redone on the same members, so steps 0-5 equal the failure-free run
+    # transient: steps 3 and 4 redone on the same members, so 0-5 equal the failure-free run
     for got, want in zip(rows[:6], failure_free[:6], strict=True):
         assert got["loss"] == want["loss"], (got["step"], got["loss"], want["loss"])
     events = res.events()
@@ -60,22 +63,30 @@ def test_transient_data_and_persistent_nan_are_rerun_classified_and_healed(
     classified = [k for k in kinds if k[0] == "classified"]
     assert classified == [
         ("classified", "transient", 3, 1),
+        ("classified", "transient", 4, 0),
         ("classified", "data", 6, 2),
-        ("classified", "persistent", 9, 3),
+        ("classified", "data", 8, 1),
+        ("classified", "persistent", 10, 3),
     ], kinds
     assert ("anomaly", None, 3, 1) in kinds and ("rerun", None, 3, 1) in kinds
-    assert ("evicted", None, 9, 3) in kinds
-    data = next(e for e in events if e.get("kind") == "data")
-    assert data["microbatches"] == [0, 1] and len(data["samples"]) == 8  # M = 2, mbs = 4
-    # the skipped samples are not trained on: 6 of 8 micro-batches at step 6, 8 elsewhere
-    assert [r["global_microbatches"] for r in rows[5:8]] == [8, 6, 8]
+    assert ("evicted", None, 10, 3) in kinds
+    details = {e["step"]: e["detail"] for e in events if e["type"] == "anomaly"}
+    assert details[4].startswith("loss spike ") and "x median" in details[4], details
+    assert details[3] == "gradient NaN/Inf", details  # found in the reducer, before the loss
+    nan_data, spike_data = (e for e in events if e.get("kind") == "data")
+    assert nan_data["microbatches"] == [0, 1] and len(nan_data["samples"]) == 8  # M 2, mbs 4
+    assert spike_data["microbatches"] == [0, 1] and spike_data["detail"].startswith("loss spike")
+    assert set(spike_data["samples"]).isdisjoint(nan_data["samples"])
+    # the skipped samples are not trained on: 6 of 8 micro-batches at steps 6 and 8
+    assert [r["global_microbatches"] for r in rows[5:10]] == [8, 6, 8, 6, 8]
+    assert max(float(r["loss"]) for r in rows) < rows[0]["loss"] + 0.5  # no spike committed
     # the evicted rank is not restarted; the others take its micro-batches over
     assert "rank 3 was evicted for a persistent NaN/Inf; not restarting it" in res.output
     assert rows[-1]["replicas_alive"] == 3 and rows[-1]["global_microbatches"] == 8
     summary = res.summary()["failover"]
     assert (summary["anomalies"], summary["classified"], summary["evictions"]) == (
         sum(k[0] == "anomaly" for k in kinds),
-        3,
+        5,
         1,
     )
     violations = (
@@ -120,3 +131,55 @@ def test_a_flipped_bit_is_caught_by_the_fingerprint_and_healed_from_a_peer(
         + checks.check_summary(res.run_dir)
     )
     assert violations == [], violations
+
+
+def test_a_straggler_gets_a_smaller_share_until_its_compute_time_is_the_others(
+    tmp_path, demo_data_dir, failure_free
+):
+    """slow:2:2:2 makes rank 2 compute twice as slowly from step 2 on (a busy loop: on CPU the
+    compute clock is the thread's CPU time, so the other processes sharing the 2 cores do not
+    blur it). Its pace (median compute time of 3 steps) is shared at step 5's vote: every member
+    sees replica 2 at about 2x the others' and gives it a smaller share from step 6 on
+    (`rebalanced`); later comparisons adjust its weight until its compute time is the others'.
+    The global batch is unchanged (every sample once, exact tasks), so the curve is the
+    failure-free one up to the order of summation. The job's wall step time is not asserted: 4
+    ranks on 2 cores share them, so it measures the machine (`tools/bench/straggler.py` does)."""
+    steps = 24
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("slow:2:2:2",),
+        overrides=(*PIN, "straggler.interval=5", "straggler.window=3"),
+    )
+    assert res.returncode == ExitCode.OK, res.explain()
+    rows = res.metrics()
+    assert [r["step"] for r in rows] == list(range(steps)), res.explain()
+    for got, want in zip(rows, failure_free, strict=False):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-5, abs=1e-6), got["step"]
+    rebalanced = [e for e in res.events() if e["type"] == "rebalanced"]
+    assert [(e["step"], e["dp_rank"]) for e in rebalanced][:1] == [(6, 2)], rebalanced
+    assert all(e["dp_rank"] == 2 for e in rebalanced), rebalanced  # nobody else, never undone
+    shares, compute = {}, {}
+    for row in res.task_rows():
+        n = sum((t[4] - t[3]) if len(t) >= 5 else row["micro_batch_size"] for t in row["tasks"])
+        shares.setdefault(row["step"], {})[row["replica"]] = n
+        compute.setdefault(row["replica"], {})[row["step"]] = row["compute_s"]
+    assert all(shares[s] == {0: 8, 1: 8, 2: 8, 3: 8} for s in range(6)), shares
+    later = [shares[s] for s in range(6, steps)]
+    assert all(s[2] <= 6 and sum(s.values()) == 32 for s in later), later  # 32 / 3.5 ~ 4.6
+
+    def ratio(steps_):  # the straggler's compute time over the others' median
+        mine = statistics.median(compute[2][s] for s in steps_)
+        others = statistics.median(compute[r][s] for r in (0, 1, 3) for s in steps_)
+        return mine / others
+
+    before, after = ratio(range(2, 6)), ratio(range(steps - 6, steps))
+    assert before > 1.6 and after < 1.3, (before, after, compute)
+    violations = (
+        checks.check_metrics(res.run_dir, steps)
+        + checks.check_digests(res.run_dir, steps, required=range(4))
+        + checks.check_summary(res.run_dir)
+    )
+    assert violations == [], violations
+    assert res.summary()["failover"]["rebalanced"] == len(rebalanced)

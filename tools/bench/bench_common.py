@@ -14,6 +14,8 @@ import json
 import math
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -175,6 +177,46 @@ def demo_job_args(
         "logging.print_interval=0",
         *extra,
     ]
+
+
+def run_demo_job(
+    launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, extra=()
+) -> dict:
+    """Run the demo job to the end and read its run directory back (metrics, events, summary);
+    exits with the job's output tail if it fails. `launcher`: "torchrun", "failover"
+    (`mecefo-launch`, tcp store) or "failover-etcd"."""
+    train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
+    if launcher.startswith("failover"):
+        store = ["--store", "etcd", "--job-id", run_dir.name] if launcher.endswith("etcd") else []
+        from megatron_mecefo.failover.node.agent_cli import launch_command
+
+        cmd = launch_command(train_args, nproc_per_node=nproc, flags=store)
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            "-m",
+            "megatron_mecefo.train",
+            *train_args,
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        sys.exit(
+            f"error: {launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+            f"{proc.stderr[-3000:]}"
+        )
+    return {
+        "wall_s": time.monotonic() - start,
+        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
+        "events": read_jsonl(run_dir / "events.jsonl"),
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+    }
 
 
 def free_port() -> int:

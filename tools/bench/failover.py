@@ -21,13 +21,10 @@ rows say "(etcd)". Prints a table and writes JSON. A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,9 +33,8 @@ sys.path.insert(0, str(ROOT / "tools" / "bench"))
 from bench_common import (  # noqa: E402
     bench_parser,
     cell,
-    demo_job_args,
     ensure_demo,
-    read_jsonl,
+    run_demo_job,
     write_json,
 )
 
@@ -61,42 +57,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--demo-dir", default=".cache/demo_data")
     p.add_argument("--out", default="bench_out/failover.json")
     return p.parse_args()
-
-
-def _run(launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, extra=()) -> dict:
-    """`launcher`: "torchrun", "failover" (tcp store) or "failover-etcd"."""
-    train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
-    if launcher.startswith("failover"):
-        store = ["--store", "etcd", "--job-id", run_dir.name] if launcher.endswith("etcd") else []
-        from megatron_mecefo.failover.node.agent_cli import launch_command
-
-        cmd = launch_command(train_args, nproc_per_node=nproc, flags=store)
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "megatron_mecefo.train",
-            *train_args,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        sys.exit(
-            f"error: {launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
-            f"{proc.stderr[-3000:]}"
-        )
-    return {
-        "wall_s": time.monotonic() - start,
-        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
-        "events": read_jsonl(run_dir / "events.jsonl"),
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-    }
 
 
 def failure_row(kind: str, res: dict) -> dict:
@@ -150,14 +110,16 @@ def main() -> int:
             label = kind + _store(launcher)
             print(f"[bench] failure run: {label} ({spec}), {args.steps} steps, 4 ranks", flush=True)
             run_dir = tmp / label.replace(" (etcd)", "-etcd")
-            res = _run(launcher, 4, args.steps, run_dir, args.demo_dir, ["--inject", spec])
+            res = run_demo_job(launcher, 4, args.steps, run_dir, args.demo_dir, ["--inject", spec])
             rows.append({**failure_row(kind, res), "kind": label, "store": _name(launcher)})
     overhead: dict[str, list[float]] = {launcher: [] for launcher in [*stores, "torchrun"]}
     votes: dict[str, list[float]] = {launcher: [] for launcher in stores}
     for i in range(args.repeats):
         for launcher in overhead:
             print(f"[bench] overhead run {i + 1}/{args.repeats}: {launcher}", flush=True)
-            res = _run(launcher, 2, args.overhead_steps, tmp / f"oh_{launcher}_{i}", args.demo_dir)
+            res = run_demo_job(
+                launcher, 2, args.overhead_steps, tmp / f"oh_{launcher}_{i}", args.demo_dir
+            )
             overhead[launcher].append(median_step_s(res))
             if launcher in votes:
                 votes[launcher].append(res["summary"]["failover"]["vote_ms_median"])

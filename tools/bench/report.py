@@ -30,7 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # its section modules,
 from report_context import ReportContext, tool_section  # noqa: E402
 from report_etcd import section_etcd_store  # noqa: E402
 from report_markdown import _f, _scale, _table  # noqa: E402
-from report_peers import section_anomaly_cost, section_peers  # noqa: E402
+from report_anomaly import (  # noqa: E402
+    section_anomaly_cost,
+    section_spike_threshold,
+    section_straggler,
+)
+from report_peers import section_peers  # noqa: E402
 from report_plots import (  # noqa: E402
     latency_rows,
     plot_latencies,
@@ -352,6 +357,8 @@ SECTIONS = (
     ("Control plane on etcd vs tcp", section_etcd_store),
     ("Side by side with the peers (torchft, checkpoint-restart)", section_peers),
     ("Silent-fault checks: what a normal step pays", section_anomaly_cost),
+    ("Spike thresholds against failure-free runs", section_spike_threshold),
+    ("A straggler's step time, mitigated", section_straggler),
 )
 
 

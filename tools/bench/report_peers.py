@@ -1,5 +1,4 @@
-"""The sections of BENCHMARKS.md on the peers side by side (`tools/bench/peers.py`) and on the
-silent-fault checks' cost (`tools/bench/anomaly_cost.py`)."""
+"""The section of BENCHMARKS.md on the peers side by side (`tools/bench/peers.py`)."""
 
 from __future__ import annotations
 
@@ -57,34 +56,4 @@ def section_peers(ctx: Any, doc: dict) -> list[str]:
         ],
         rows,
     )
-    return out + [""]
-
-
-@tool_section("anomaly_cost")
-def section_anomaly_cost(ctx: Any, doc: dict) -> list[str]:
-    """What the NaN/Inf checks and the state fingerprint cost a normal step."""
-    out = [
-        "One process, the real training step with the NaN/Inf checks on and off, and the state "
-        "fingerprint of the commit vote alone (fastest of interleaved rounds; "
-        "`docs/anomalies.md`).",
-        "",
-    ]
-    rows = [
-        [
-            r.get("model", "?"),
-            _f(r.get("params_m"), ".2f", "M"),
-            _f(r.get("step_on_s") and 1000 * r["step_on_s"], ".1f", " ms"),
-            _f(r.get("step_off_s") and 1000 * r["step_off_s"], ".1f", " ms"),
-            _f(None if r.get("check_overhead") is None else 100 * r["check_overhead"], "+.1f", "%"),
-            _f(r.get("fingerprint_s") and 1000 * r["fingerprint_s"], ".2f", " ms"),
-            _f(r.get("fingerprint_vs_step") and 100 * r["fingerprint_vs_step"], ".1f", "%"),
-        ]
-        for r in doc.get("rows") or []
-    ]
-    out += _table(
-        ["model", "params", "step, checks on", "checks off", "checks", "fingerprint", "vs step"],
-        rows,
-    )
-    gbs = doc.get("fingerprint_gb_per_s")
-    out += ["", f"Fingerprint throughput: {_f(gbs, '.2f', ' GB/s')} on one CPU thread."]
     return out + [""]

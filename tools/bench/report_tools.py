@@ -244,6 +244,20 @@ TOOLS = (
         (),
         ("--models", "tiny", "--reps", "3"),
     ),
+    Tool(
+        "spike_threshold",
+        "spike statistics of failure-free runs",
+        "tools/bench/spike_threshold.py",
+        (),  # 3 runs of 1000 steps
+        ("--runs", "tiny:8:2:1234", "--steps", "200"),
+    ),
+    Tool(
+        "straggler",
+        "a straggler's step time",
+        "tools/bench/straggler.py",
+        (),
+        ("--steps", "100", "--tail", "20"),
+    ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]
 

@@ -31,8 +31,15 @@ KINDS = (
     "head_node_loss",
     "nan",
     "bitflip",
+    "spike",
+    "slow",
 )
 """Every fault kind, in the order schedules cycle through them (`Fault.kind`)."""
+SLOW_FACTOR = 2.0
+"""How many times slower a `slow` fault makes its rank."""
+SPIKE_WARMUP = 20
+"""A spike is drawn at this step or later: the default `anomaly.spike_warmup` (before it, the
+window is too short to judge)."""
 KIND_HELP = {
     "kill": "SIGKILL a rank (from outside; `at: rejoin` is the trainer's own SIGKILL while it "
     "sends or receives a rejoining replica's state, --inject kill:RANK:rejoin)",
@@ -56,8 +63,12 @@ KIND_HELP = {
     "nan:RANK:STEP); voted down, rerun, classified transient",
     "bitflip": "silent data corruption: one bit of one parameter of a rank flips before a step "
     "(--inject bitflip:RANK:STEP); caught by the state fingerprint, the rank rejoins healed",
+    "spike": "one attempt of a step's loss (and gradients) on a rank is multiplied by 50 (--inject "
+    "spike:RANK:STEP), at a step past the spike warm-up; voted down, rerun, classified transient",
+    "slow": f"a rank computes {SLOW_FACTOR:g}x slower from a step to the end (--inject "
+    f"slow:RANK:{SLOW_FACTOR:g}:STEP); its share shrinks once its pace is compared",
 }
-SILENT = ("nan", "bitflip")
+SILENT = ("nan", "bitflip", "spike", "slow")
 """Trainer-side faults that no process death announces (`docs/anomalies.md`); opt-in (`--kinds`)."""
 FAIL_STOP = tuple(k for k in KINDS if k not in SILENT)
 """The default kinds: what the soak drew before the silent kinds existed (old seeds reproduce)."""
@@ -108,6 +119,8 @@ class Fault:
     def inject_arg(self) -> str:
         """The trainer's `--inject` value of a `by_trainer` fault."""
         where = "rejoin" if self.at == "rejoin" else str(self.step)
+        if self.kind == "slow":
+            return f"slow:{self.rank}:{SLOW_FACTOR:g}:{where}"
         return f"{self.kind}:{self.rank}:{where}"
 
     def describe(self) -> str:
@@ -458,7 +471,8 @@ def _draw(
     taken = {(f.rank, f.step) for f in prior if f.by_trainer}
     if kind in ("exception", *SILENT):
         if together is None:
-            step = rng.randint(0, last_step)
+            first = min(SPIKE_WARMUP, last_step) if kind == "spike" else 0
+            step = rng.randint(first, max(first, last_step))
         while (rank, step) in taken:  # one injection per (rank, step)
             step = step + 1 if step < last_step else 0
         return Fault(kind=kind, step=step, rank=rank, why=why)

@@ -14,6 +14,9 @@ the step down with an anomaly: it first sets `anomaly/g/step/a/<replica>`, and a
 every member reduced and some flagged is decided at once as `abort:<g>:anomaly` (no wait for a
 new membership, no group rebuild); `suspects` names the flagged replicas, the same on every
 member, for the rerun (`rerun.py`).
+
+On the straggler watch's steps (`straggler.py`), each rank also sets its pace before it votes;
+after a commit every member reads every pace (`last_paces`), the same on every member.
 """
 
 from __future__ import annotations
@@ -73,6 +76,10 @@ class CommitVote:
         self.last_corrupt: list[int] | None = None
         """Replicas whose state fingerprint differed from the majority's in the last vote (empty:
         no majority), or None."""
+        self.pace_of: Callable[[int], float | None] | None = None
+        """step -> this rank's pace to share with this step's vote, or None (no sharing)."""
+        self.last_paces: dict[int, float] | None = None
+        """Global rank -> pace, read after the last vote if it committed a step that shared."""
 
     def vote(
         self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
@@ -86,9 +93,12 @@ class CommitVote:
         if m.generation != self._attempt_gen:  # vote keys are per (generation, step, attempt)
             self._attempt_gen, self.attempt = m.generation, 0
         g, a = m.generation, self.attempt
-        self.last_anomaly = self.last_corrupt = None
+        self.last_anomaly = self.last_corrupt = self.last_paces = None
         if self.before_vote is not None:
             self.before_vote(step, g, a)
+        pace = self.pace_of(step) if self.pace_of is not None else None
+        if pace is not None:
+            self.plane.store.set(keys.pace(g, step, a, self.rank), repr(pace))
         dkey = keys.decision(g, step, a)
         latest = max(g, self.plane.latest_gen)
         verdict = None
@@ -128,6 +138,12 @@ class CommitVote:
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
             self.attempt, self.committed_as = 0, (g, a)
+            if pace is not None:  # every member set its pace before it voted
+                ranks = [
+                    r * self.replica_size + p for r in m.members for p in range(self.replica_size)
+                ]
+                values = self.plane.store.multi_get([keys.pace(g, step, a, r) for r in ranks])
+                self.last_paces = {r: float(v) for r, v in zip(ranks, values, strict=True)}
             boundary.note_committed(step)
             if "stop" in flags:
                 self.stop_after = step

@@ -43,8 +43,10 @@ from megatron_mecefo.failover.trainer.membership import LiveMembership
 from megatron_mecefo.failover.trainer.plane import ControlPlane, JobDone
 from megatron_mecefo.failover.trainer.regroup import Regroup
 from megatron_mecefo.failover.trainer.rerun import AnomalyRerun
+from megatron_mecefo.failover.trainer.straggler import StragglerWatch
 from megatron_mecefo.failover.trainer.transfer import StateSync
 from megatron_mecefo.plan.from_config import plans_for_members
+from megatron_mecefo.plan.rebalance import rebalanced_plans
 from megatron_mecefo.plan.step_plan import RankStepPlan
 from megatron_mecefo.training import boundary
 from megatron_mecefo.training import state as train_state
@@ -125,6 +127,8 @@ class FailoverManager(RunControl):
             timeout_s=cfg.anomaly.check_timeout_s,
             log=log,
         )
+        self.straggler = StragglerWatch(cfg.straggler, replica_size=per_replica)
+        self.vote.pace_of = self.straggler.pace
         if fcfg.audit and self.position == 0:
             self.vote.before_vote = self._log_tasks
         self.sync = StateSync(
@@ -150,8 +154,9 @@ class FailoverManager(RunControl):
             log=log,
         )
         self.metrics_writer = lambda: self.is_leader
-        self._plan_cache: tuple[tuple[int, ...], RankStepPlan | None] | None = None
+        self._plan_cache: tuple[tuple, RankStepPlan | None] | None = None
         self._step_plan: RankStepPlan | None = None  # this step's, for the audit
+        self._engine = None  # the engine of the step in progress, for the audit
         self._job_degraded = False
         self._audit_files: dict[str, Any] = {}  # audit kind -> its open jsonl file
 
@@ -379,6 +384,7 @@ class FailoverManager(RunControl):
             self.vote.pending = None
             self.regroup.adopt(engine, gen, key, is_leader=lambda: self.is_leader)
         self.plane.set_phase("compute", step)
+        self._engine = engine
         self._step_plan = self._plan(step) or engine.default_plan()
         return self._step_plan
 
@@ -399,6 +405,7 @@ class FailoverManager(RunControl):
             return {}
         self.plane.next_step = result.step + 1
         self.bound.step_took(result.step_time_s)
+        self._watch_pace(result)
         if self.is_leader:
             self.store.set(keys.COMMITTED, str(result.step))
         if self.fcfg.audit and train_state.is_sharded(engine.optimizer):
@@ -452,17 +459,48 @@ class FailoverManager(RunControl):
             time.sleep(0.05)
 
     # ------------------------------------------------------------------ plans and audit
+    def _watch_pace(self, result) -> None:
+        """A committed step: this rank's pace, and the shares the paces it brought call for."""
+        watch, m = self.straggler, self.membership
+        watch.forget(self.vote.committed_as[0])
+        watch.took(result.compute_s)
+        if self.vote.last_paces is None:
+            return
+        if watch.judge(self.vote.last_paces, m.members) and self.is_leader:
+            speeds = watch.speeds or {r: 1.0 for r in m.members}
+            slow = {r: round(1 / v, 2) for r, v in speeds.items() if v < 1.0}
+            post_event(
+                self.store,
+                "rebalanced",
+                step=result.step + 1,
+                dp_rank=min(slow) if slow else None,
+                detail=(
+                    f"replica(s) {sorted(slow)} compute slower than the others: shares in "
+                    f"proportion to {json.dumps(speeds)}"
+                    if slow
+                    else "no straggler: even shares"
+                ),
+            )
+
     def _plan(self, step: int) -> RankStepPlan | None:
         members = self.membership.members
-        if self._plan_cache is None or self._plan_cache[0] != members:
+        speeds = self.straggler.speeds
+        key = (members, tuple(sorted(speeds.items())) if speeds else None)
+        if self._plan_cache is None or self._plan_cache[0] != key:
             plan, self._job_degraded = None, False
-            if len(members) < self.num_replicas:
+            if len(members) == self.num_replicas and speeds:
+                plan = rebalanced_plans(
+                    speeds,
+                    num_microbatches=self.cfg.training.num_microbatches,
+                    micro_batch_size=self.cfg.training.micro_batch_size,
+                )[self.replica]
+            elif len(members) < self.num_replicas:
                 plans = plans_for_members(self.cfg, members, self.num_replicas)
                 plan = plans[self.replica]
                 self._job_degraded = any(p.num_degraded for p in plans.values())
                 if self.is_leader:
                     self._post_takeover(step, plans)
-            self._plan_cache = (members, plan)
+            self._plan_cache = (key, plan)
         return self._plan_cache[1]
 
     def _post_takeover(self, step: int, plans: dict[int, RankStepPlan]) -> None:
@@ -503,6 +541,7 @@ class FailoverManager(RunControl):
             for t in self._step_plan.tasks
         ]
         line = {"step": step, "replica": self.replica, "inc": self.incarnation, "tasks": tasks}
+        line["compute_s"] = round(self._engine.last_compute_s, 6)  # this attempt's
         line.update(gen=generation, attempt=attempt)
         line["micro_batch_size"] = self.cfg.training.micro_batch_size
         self._audit("tasks").write(json.dumps(line) + "\n")

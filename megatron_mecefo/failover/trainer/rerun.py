@@ -1,4 +1,4 @@
-"""Rerun and classify a step voted down for NaN/Inf (`commit.py`), inside the running job.
+"""Rerun and classify a step voted down for NaN/Inf or a spike (`commit.py`), inside the job.
 
 Every member reads the same suspects from the store after the decision, so every member takes
 the same decisions here without another vote:
@@ -6,14 +6,18 @@ the same decisions here without another vote:
 1. a suspect's first anomaly at a step: `anomaly` + `rerun` events; the step is redone as is. If
    the redo commits, the fault was **transient** (`classified`, kind transient);
 2. the same suspect again at the same step: the lowest member that is not a suspect recomputes the
-   suspect's micro-batches forward-only with its own (bitwise equal) parameters and posts one
-   finite flag per micro-batch (`keys.rerun_verdict`); everyone waits for it (bounded):
-   - all finite on the peer: **persistent** on the suspect (a device fault). The suspect posts
+   suspect's micro-batches forward-only with its own (bitwise equal) parameters and posts their
+   losses (`keys.rerun_verdict`); everyone waits for them (bounded) and judges them against the
+   suspect's record (`training/anomaly.AnomalyGuard.record`, `reproduced`):
+   - the fault does not reproduce on the peer (finite losses; for a loss spike, a mean within
+     the suspect's limit): **persistent** on the suspect (a device fault). The suspect posts
      `evicted` and exits EVICTED (never restarted); the survivors take its micro-batches over
      through the usual failure path, and the step is redone without it;
-   - not finite on the peer too: **data**. Those micro-batches are skipped from now on (a
-     zero-weight stand-in, `training/anomaly.py`), named in the `classified` event, and the step
-     is redone;
+   - it reproduces: **data**. The micro-batches at fault (non-finite, or above the limit) are
+     skipped from now on (a zero-weight stand-in, `training/anomaly.py`), named in the
+     `classified` event, and the step is redone;
+   - a gradient-norm spike: a forward pass cannot judge a backward one, so it is never called a
+     device fault: data, all of the suspect's micro-batches of that step;
    - no member left to check (every member flagged): data, unchecked.
 The peer recomputes with the parameters of the step being redone, which every replica holds:
 no NaN was ever applied (the vote is taken before the update).
@@ -30,6 +34,7 @@ train on replicas that disagree.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import Counter
 
@@ -83,7 +88,7 @@ class AnomalyRerun:
         for r in suspects:
             self.seen[(step, r)] += 1
             if r == self.membership.replica and self.position == 0:
-                what = store.get(keys.anomaly(g, step, a, r)).decode()
+                what = self._record(g, step, a, r)["what"]
                 post_event(store, "anomaly", step=step, dp_rank=r, generation=g, detail=what)
         first = [r for r in suspects if self.seen[(step, r)] == 1]
         again = [r for r in suspects if self.seen[(step, r)] >= 2]
@@ -92,7 +97,10 @@ class AnomalyRerun:
             if self.writes_events():
                 post_event(store, "rerun", step=step, dp_rank=first[0], replicas=first)
         if again:
-            self._classify(engine, step, again, suspects)
+            self._classify(engine, (g, step, a), again, suspects)
+
+    def _record(self, g: int, step: int, a: int, replica: int) -> dict:
+        return json.loads(self.plane.store.get(keys.anomaly(g, step, a, replica)))
 
     def _corrupt(self, step: int, odd: list[int]) -> None:
         store, m = self.plane.store, self.membership
@@ -145,28 +153,31 @@ class AnomalyRerun:
             if self.writes_events():
                 self._post_classified(step, suspects, "transient", "did not reproduce on the rerun")
 
-    def _classify(self, engine, step: int, again: list[int], suspects: list[int]) -> None:
+    def _classify(self, engine, attempt, again: list[int], suspects: list[int]) -> None:
+        g, step, a = attempt
         healthy = [r for r in self.membership.members if r not in suspects]
         for r in again:
             if r in self.pending.get(step, []):
                 self.pending[step].remove(r)
             check = self.seen[(step, r)]
+            record = self._record(g, step, a, r)
             if healthy:
-                flags = self._peer_check(engine, step, r, healthy[0], check)
+                losses = self._peer_check(engine, step, r, healthy[0], check)
+                again_there, bad = reproduced(record, losses)
+            else:  # unchecked: data, every micro-batch
+                again_there, bad = True, list(range(engine.cfg.training.num_microbatches))
+            if not again_there:
+                self._persistent(step, r, record)
             else:
-                flags = [False] * engine.cfg.training.num_microbatches  # unchecked: data
-            if all(flags):
-                self._persistent(step, r)
-            else:
-                self._data(engine, step, r, flags, checked=bool(healthy))
+                self._data(engine, step, r, bad, record, checked=bool(healthy))
 
-    def _peer_check(self, engine, step: int, suspect: int, checker: int, check: int) -> list[bool]:
+    def _peer_check(self, engine, step: int, suspect: int, checker: int, check: int) -> list:
         key = keys.rerun_verdict(step, suspect, check)
         store = self.plane.store
         if self.membership.replica == checker:
-            flags = engine.forward_check(step, suspect)
-            if flags is not None:  # the ranks with losses (last pipeline stage) post it
-                store.set(key, json.dumps(flags))
+            losses = engine.forward_check(step, suspect)
+            if losses is not None:  # the ranks with losses (last pipeline stage) post them
+                store.set(key, json.dumps(losses))
         deadline = time.monotonic() + self.timeout_s
         while not store.check([key]):
             if time.monotonic() > deadline:
@@ -177,21 +188,23 @@ class AnomalyRerun:
             time.sleep(0.01)
         return json.loads(store.get(key))
 
-    def _persistent(self, step: int, suspect: int) -> None:
+    def _persistent(self, step: int, suspect: int, record: dict) -> None:
         self.classified["persistent"] += 1
-        detail = "reproduced on the rerun; a healthy peer computed the same inputs finitely"
+        detail = (
+            f"{record['what']}: reproduced on the rerun; a healthy peer computed the same "
+            "inputs without it"
+        )
         if self.writes_events():
             self._post_classified(step, [suspect], "persistent", detail)
         if suspect == self.membership.replica:
             if self.position == 0:
                 post_event(self.plane.store, "evicted", step=step, dp_rank=suspect, detail=detail)
             raise EvictedError(
-                f"replica {suspect}: NaN/Inf at step {step} reproduced on this rank only; "
+                f"replica {suspect}: {record['what']} at step {step} reproduced on this rank only; "
                 "evicted (the survivors take its micro-batches over)"
             )
 
-    def _data(self, engine, step: int, suspect: int, flags: list[bool], *, checked: bool) -> None:
-        bad = [i for i, finite in enumerate(flags) if not finite]
+    def _data(self, engine, step, suspect: int, bad: list[int], record: dict, *, checked: bool):
         self.classified["data"] += 1
         for i in bad:
             engine.anomaly.skipped.add((step, suspect, i))
@@ -202,16 +215,19 @@ class AnomalyRerun:
                 step,
                 [suspect],
                 "data",
-                "reproduced on a healthy peer: skipped"
-                if checked
-                else "every member flagged it (no peer to check): skipped",
+                f"{record['what']}: "
+                + (
+                    "reproduced on a healthy peer: skipped"
+                    if checked
+                    else "every member flagged it (no peer to check): skipped"
+                ),
                 microbatches=bad,
                 samples=[s for ids in samples for s in ids],
                 samples_skipped=len(bad) * mbs,
             )
         self.log(
             f"[failover] step {step}: replica {suspect}'s micro-batches {bad} are bad data "
-            "(NaN/Inf wherever computed); skipped"
+            f"({record['what']}, wherever computed); skipped"
         )
 
     def _post_classified(self, step: int, replicas: list[int], kind: str, detail: str, **extra):
@@ -225,3 +241,22 @@ class AnomalyRerun:
             detail=detail,
             **extra,
         )
+
+
+def reproduced(record: dict, losses: list[float]) -> tuple[bool, list[int]]:
+    """Does the fault in `record` (the suspect's `AnomalyGuard.record`) show in the `losses` a
+    healthy peer computed for the suspect's micro-batches? And which micro-batches are at fault.
+    A gradient-norm spike cannot be judged by a forward pass: it counts as reproduced (data), all
+    micro-batches, so that no rank is evicted on a guess."""
+    kind, limit = record["kind"], record.get("limit")
+    if kind == "grad":
+        return True, list(range(len(losses)))
+    bad = [
+        i
+        for i, x in enumerate(losses)
+        if not math.isfinite(x) or (kind == "loss" and limit is not None and x > limit)
+    ]
+    if kind == "loss" and limit is not None:
+        mean = sum(losses) / len(losses) if losses else 0.0
+        return not math.isfinite(mean) or mean > limit, bad
+    return bool(bad), bad

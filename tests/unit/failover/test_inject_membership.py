@@ -18,6 +18,10 @@ def test_parse_inject():
     assert inject.parse_inject("nan:1:3") == inject.InjectionSpec("nan", 1, 3)
     assert inject.parse_inject("nan:1:3:data").mode == "data"
     assert inject.parse_inject("nan:0:3:persistent").mode == "persistent"
+    assert inject.parse_inject("spike:1:3:data") == inject.InjectionSpec(
+        "spike", 1, 3, None, "data"
+    )
+    assert inject.parse_inject("slow:2:1.5:6") == inject.InjectionSpec("slow", 2, 6, factor=1.5)
 
 
 @pytest.mark.parametrize(
@@ -32,6 +36,11 @@ def test_parse_inject():
         "nan:1:2:sometimes",
         "kill:1:2:data",
         "nan:1:rejoin",
+        "spike:1:rejoin",
+        "slow:1:2",
+        "slow:1:x:3",
+        "slow:1:1.0:3",
+        "slow:1:2:rejoin",
     ],
 )
 def test_parse_inject_rejects(text):

@@ -57,3 +57,60 @@ def test_no_majority_stops_the_job():
     rerun.vote.last_corrupt = []
     with pytest.raises(NumericalFaultError, match="no majority"):
         rerun.after_attempt(None, 3, committed=False)
+
+
+def _suspected(store, rerun, step: int, record: dict, peer_losses: list[float]):
+    """`rerun`'s member sees replica 1 flagged at `step` twice (a rerun that reproduced), with
+    replica 0 the healthy peer that recomputes its micro-batches (`peer_losses`)."""
+    import json
+
+    from megatron_mecefo.control import keys
+
+    g = 1
+    rerun.vote.suspects = lambda *_: [1]
+    engine = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(
+            training=types.SimpleNamespace(num_microbatches=2, micro_batch_size=4)
+        ),
+        forward_check=lambda step, source: list(peer_losses),
+        train_sampler=types.SimpleNamespace(
+            sample_indices=lambda step, source, i: [source * 8 + i * 4 + k for k in range(4)]
+        ),
+        anomaly=types.SimpleNamespace(skipped=set()),
+    )
+    for a in (0, 1):
+        store.set(keys.anomaly(g, step, a, 1), json.dumps(record))
+        rerun.vote.last_anomaly = (g, step, a)
+        rerun.after_attempt(engine, step, committed=False)
+    return engine
+
+
+SPIKE = {
+    "what": "loss spike 310 > 3 x median 6.2 of the last 20 steps",
+    "kind": "loss",
+    "limit": 18.6,
+}
+
+
+def test_a_spike_that_a_healthy_peer_does_not_reproduce_evicts_the_suspect():
+    store = dist.HashStore()
+    _suspected(store, _rerun(store, replica=0, leader=True), 7, SPIKE, [6.1, 6.3])
+    with pytest.raises(EvictedError, match="loss spike 310 .* reproduced on this rank only"):
+        _suspected(store, _rerun(store, replica=1), 7, SPIKE, [])
+    posted = [(e["type"], e.get("kind"), e["step"]) for e in posted_events(store)[0]]
+    assert sorted(posted, key=str) == [  # the suspect posts its anomaly on each attempt
+        ("anomaly", None, 7),
+        ("anomaly", None, 7),
+        ("classified", "persistent", 7),
+        ("evicted", None, 7),
+        ("rerun", None, 7),
+    ]
+
+
+def test_a_spike_that_reproduces_on_a_healthy_peer_is_bad_data_and_skipped():
+    store = dist.HashStore()
+    engine = _suspected(store, _rerun(store, replica=0, leader=True), 7, SPIKE, [6.1, 310.0])
+    assert engine.anomaly.skipped == {(7, 1, 1)}
+    data = next(e for e in posted_events(store)[0] if e["type"] == "classified")
+    assert (data["kind"], data["microbatches"], data["samples"]) == ("data", [1], [12, 13, 14, 15])
+    assert data["detail"].startswith("loss spike 310")

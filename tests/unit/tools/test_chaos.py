@@ -535,3 +535,22 @@ def test_silent_kinds_are_trainer_side_injections():
         assert f.by_trainer and f.at == "step" and f.rank is not None
         assert f.inject_arg() == f"{f.kind}:{f.rank}:{f.step}"
     assert not set(FAIL_STOP) & {"nan", "bitflip"}  # the default draws what it drew before
+
+
+def test_spikes_come_after_the_warm_up_and_slow_ranks_say_how_slow():
+    from megatron_mecefo.config.anomaly import AnomalyConfig
+    from megatron_mecefo.testing.inject import parse_inject
+    from tools.chaos.schedule import SPIKE_WARMUP
+
+    assert SPIKE_WARMUP == AnomalyConfig().spike_warmup
+    plans = schedules(5, 12, kinds=("spike", "slow"), **LAYOUT)
+    faults = [f for p in plans for f in p.faults]
+    assert {f.kind for f in faults} == {"spike", "slow"}
+    for f in faults:
+        spec = parse_inject(f.inject_arg())  # the trainer accepts it
+        assert (spec.kind, spec.rank, spec.step) == (f.kind, f.rank, f.step)
+        if f.kind == "spike":
+            assert f.step >= SPIKE_WARMUP, f
+        else:
+            assert spec.factor == 2.0
+    assert not set(FAIL_STOP) & {"spike", "slow"}

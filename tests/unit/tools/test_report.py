@@ -401,6 +401,8 @@ ALL_SECTIONS = [
     "Control plane on etcd vs tcp",
     "Side by side with the peers (torchft, checkpoint-restart)",
     "Silent-fault checks: what a normal step pays",
+    "Spike thresholds against failure-free runs",
+    "A straggler's step time, mitigated",
 ]
 """Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
 
@@ -677,3 +679,24 @@ def test_peers_and_anomaly_cost_sections(tmp_path):
     sec = md.split("## Silent-fault checks", 1)[1].split("\n## ")[0]
     assert "| tiny | 0.16M | 24.6 ms | 24.4 ms | +1.1% | 0.74 ms | 3.0% |" in sec
     assert "1.10 GB/s" in sec
+
+
+def test_spike_threshold_and_straggler_sections(tmp_path):
+    spikes = {
+        "defaults": {"loss": 3.0, "grad": 10.0}, "window": 100, "warmup": 20,
+        "runs": [{"run": "tiny:8:2:1234", "alarms": [],
+                  "loss": {"checked": 980, "peak": 1.084, "peak_step": 31, "p999": 1.05},
+                  "grad": {"checked": 980, "peak": 2.5, "peak_step": 40, "p999": 2.1}}],
+    }  # fmt: skip
+    straggler = {
+        "args": {"nproc": 2, "factor": 2.0, "slow_from": 20}, "floor": 1.333,
+        "rows": {"failure-free": {"before": 0.1, "slowed": 0.1, "after": 0.1},
+                 "slowed, watch on": {"before": 0.1, "slowed": 0.2, "after": 0.14}},
+    }  # fmt: skip
+    md = _build(tmp_path, spike_threshold=spikes, straggler=straggler)
+    sec = md.split("## Spike thresholds", 1)[1].split("\n## ")[0]
+    assert "| tiny:8:2:1234 | loss | 980 | 1.084 | 31 | 1.050 | 2.8x | 0 |" in sec
+    assert "| tiny:8:2:1234 | grad | 980 | 2.500 | 40 | 2.100 | 4.0x | 0 |" in sec
+    sec = md.split("## A straggler's step time", 1)[1].split("\n## ")[0]
+    assert "Floor with uneven shares: 1.33x" in sec
+    assert "| slowed, watch on | 100.0 ms | 200.0 ms | 140.0 ms | 1.40x |" in sec

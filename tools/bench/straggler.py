@@ -1,0 +1,90 @@
+"""A straggler's step time before, during and after the mitigation (issue 35, item 3;
+`docs/anomalies.md`). Real processes under `mecefo-launch`.
+
+    python tools/bench/straggler.py                  # CPU: 2 ranks, the demo model
+    python tools/bench/straggler.py --nproc 4 --steps 160
+
+Three runs of the same job, one after another: failure-free; rank 1 slowed `--factor` x from
+`--slow-from` with the straggler watch off (what a job without it pays); and the same with the
+watch on (the default settings: it compares paces every 10 steps over 20-step windows). From
+each run's metrics, the median step time of three phases: before the slowdown, slowed before the
+first comparison could act, and the last `--tail` steps. Prints a table, with the floor that
+uneven shares can reach (n / (n - 1 + 1/factor) x the failure-free time), and writes JSON.
+On this 2-core machine run it with 2 ranks (one core each): with more ranks than cores the step
+time measures the machine. A benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import bench_parser, ensure_demo, machine, run_demo_job, write_json  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = bench_parser(__doc__)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--steps", type=int, default=140)
+    p.add_argument("--slow-from", type=int, default=20)
+    p.add_argument("--factor", type=float, default=2.0)
+    p.add_argument("--tail", type=int, default=40, help="steps of the 'after' phase")
+    p.add_argument("--demo-dir", default=".cache/demo_data")
+    p.add_argument("--out", default="bench_out/straggler.json")
+    return p.parse_args(argv)
+
+
+def _phases(metrics: list[dict], args) -> dict:
+    t = {m["step"]: m["step_time_s"] for m in metrics}
+    phase = {
+        "before": range(5, args.slow_from),
+        "slowed": range(args.slow_from + 1, args.slow_from + 20),
+        "after": range(args.steps - args.tail, args.steps),
+    }
+    return {k: statistics.median(t[s] for s in steps) for k, steps in phase.items()}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.steps - args.tail < args.slow_from + 40:
+        sys.exit("error: --steps must leave --tail steps after the mitigation (slow-from + 40)")
+    ensure_demo(args.demo_dir)
+    slow = ["--inject", f"slow:1:{args.factor:g}:{args.slow_from}"]
+    runs = {
+        "failure-free": [],
+        "slowed, watch off": [*slow, "straggler.enabled=false"],
+        "slowed, watch on": slow,
+    }
+    rows = {}
+    with tempfile.TemporaryDirectory(prefix="mecefo-straggler-") as tmp:
+        for name, extra in runs.items():
+            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            run_dir = Path(tmp) / name.replace(" ", "_").replace(",", "")
+            res = run_demo_job("failover", args.nproc, args.steps, run_dir, args.demo_dir, extra)
+            rows[name] = {
+                **_phases(res["metrics"], args),
+                "rebalanced": [e for e in res["events"] if e["type"] == "rebalanced"],
+            }
+    base = rows["failure-free"]["before"]
+    n, f = args.nproc, args.factor
+    floor = n / (n - 1 + 1 / f)
+    print(f"{args.nproc} ranks, rank 1 {f:g}x slower from step {args.slow_from}; median step ms")
+    print(f"{'run':<20}{'before':>9}{'slowed':>9}{'after':>9}{'after / failure-free':>22}")
+    for name, r in rows.items():
+        print(
+            f"{name:<20}{1000 * r['before']:>9.1f}{1000 * r['slowed']:>9.1f}"
+            f"{1000 * r['after']:>9.1f}{r['after'] / base:>21.2f}x"
+        )
+    print(f"floor with uneven shares: {floor:.2f}x; rebalanced events (watch on):")
+    for e in rows["slowed, watch on"]["rebalanced"]:
+        print(f"  step {e['step']}: {e.get('detail')}")
+    write_json({"machine": machine(), "rows": rows, "floor": floor, "args": vars(args)}, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

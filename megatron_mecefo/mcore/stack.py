@@ -198,6 +198,9 @@ class PlanGradReducer:
         engine zeroes it each step to tell a rank's own compute time from its waits."""
         self.clock: Callable[[], float] = time.perf_counter
         """The engine's compute clock (`Engine.train_step`)."""
+        self.before_reduce: Callable[[], None] | None = None
+        """Called once per step after the last backward, before any reduction (an injected
+        straggler's extra compute goes here, where a slow device would spend it)."""
 
     @staticmethod
     def _build_masks(ddp, is_masked_param) -> list[torch.Tensor | None]:
@@ -221,6 +224,8 @@ class PlanGradReducer:
         self, model_chunks=None, num_tokens=None, pg_collection=None, force_all_reduce=False
     ):
         """Signature of megatron's `finalize_model_grads_func`; all DP ranks call this in order."""
+        if self.before_reduce is not None:
+            self.before_reduce()
         buffers = self.ddp.buffers + self.ddp.expert_parallel_buffers
         for i, buffer in enumerate(buffers):
             grad = buffer.grad_data

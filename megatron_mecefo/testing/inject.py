@@ -22,8 +22,9 @@ state transfer. Kinds:
              of RANK's replica at STEP, on whichever rank computes them (bad data)
   spike      the same three modes, but the micro-batches' losses (and so their gradients) are
              multiplied by `training/anomaly.SPIKE` instead: a loss spike, finite
-  slow       a straggler: `slow:RANK:FACTOR:FROM` makes RANK compute FACTOR times slower (a sleep
-             in proportion to its own compute time) from step FROM to the end
+  slow       a straggler: `slow:RANK:FACTOR:FROM` makes RANK compute FACTOR times slower from step
+             FROM to the end: after its last backward, before it joins the reductions, it
+             spends (FACTOR - 1) x its compute time so far (a busy loop on CPU, a sleep on GPU)
   bitflip    silent data corruption: at the start of STEP (after the previous update) flip one
              bit of one parameter on RANK (`BITFLIP_BIT` of its first element); caught by the
              state fingerprint in the commit vote

@@ -99,8 +99,13 @@ class Engine:
         """This rank's NaN/Inf and spike verdict on each step attempt (`training/anomaly.py`)."""
         reducer.check_grad = self.anomaly.check_grad
         reducer.clock = time.thread_time if ctx.on_cpu else time.perf_counter
+        reducer.before_reduce = self._slow_down
+        self._t_compute = 0.0
         self.slow_factor = 1.0
         """Injected: this rank computes this many times slower (`--inject slow:...`)."""
+        self._after_update: tuple[int, int] = (-1, 0)
+        """(next step, state fingerprint) right after this rank's last update, kept with 2
+        members: the commit vote's tie-breaker (`failover/trainer/commit.py`)."""
         self.last_compute_s = 0.0
         """The last attempt's `StepResult.compute_s` (the tasks audit logs it)."""
         self.before_update: list[Callable[[], None]] = []
@@ -147,6 +152,10 @@ class Engine:
         # the state this step starts from, which every replica must hold bit for bit
         check = every and step % every == 0 and self.membership.compares_fingerprints
         fp = state_fingerprint(self) if check else None
+        # did this state change since this rank's own last update (a flip at rest)?
+        intact = (
+            None if fp is None or self._after_update[0] != step else fp == self._after_update[1]
+        )
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.reducer.set_scales(plan.grad_scale, plan.attention_grad_scale)
@@ -156,7 +165,7 @@ class Engine:
         sampler = self._sampler_for(plan)
         clock = self.reducer.clock
         self.reducer.comm_s = 0.0
-        t_compute = clock()
+        t_compute = self._t_compute = clock()
         fwd = functools.partial(
             self._forward_step, sampler=sampler, step=step, loss_scale=loss_scale
         )
@@ -172,9 +181,6 @@ class Engine:
         if not self.ctx.on_cpu:
             torch.cuda.synchronize()
         compute_s = clock() - t_compute - self.reducer.comm_s
-        if self.slow_factor > 1:  # an injected straggler (`--inject slow:...`)
-            _stall((self.slow_factor - 1) * compute_s, clock)
-            compute_s = clock() - t_compute - self.reducer.comm_s
         self.last_compute_s = compute_s
         samples = sum(t.num_samples(tc.micro_batch_size) for t in plan.tasks)
         self.anomaly.check_losses(
@@ -191,6 +197,7 @@ class Engine:
             self.membership.failed is None and fresh,
             anomaly=self.anomaly.record(),
             fingerprint=fp,
+            intact=intact,
         )
         updated, grad_norm = False, 0.0
         if committed:
@@ -201,6 +208,10 @@ class Engine:
             held = self.reducer.masked_params if plan.holds_masked_params else ()
             with stack.hold_params(self.optimizer, held):
                 updated, grad_norm, _ = self.optimizer.step()
+            m = self.membership
+            if every and (step + 1) % every == 0 and m.compares_fingerprints and m.size == 2:
+                # 2 members cannot outvote each other: each keeps its own mark to name a flip
+                self._after_update = (step + 1, state_fingerprint(self))
         else:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -226,6 +237,13 @@ class Engine:
             samples=samples,
             compute_s=compute_s,
         )
+
+    def _slow_down(self) -> None:
+        """An injected straggler (`--inject slow:...`): its compute so far, stretched
+        `slow_factor` times, before it joins the reductions (the others wait there for it)."""
+        if self.slow_factor > 1:
+            clock = self.reducer.clock
+            _stall((self.slow_factor - 1) * (clock() - self._t_compute), clock)
 
     def _exact(self, plan: RankStepPlan, step: int) -> bool:
         """No task of `plan` is degraded or skipped as bad data: its loss can be judged."""

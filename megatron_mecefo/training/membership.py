@@ -127,12 +127,18 @@ class Membership:
         return self.collectives.failed
 
     def commit(
-        self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
+        self,
+        step: int,
+        ok: bool,
+        anomaly: str | None = None,
+        fingerprint: int | None = None,
+        intact: bool | None = None,
     ) -> bool:
         """Apply this step's update? Static: iff this rank's reductions succeeded (`ok`; with
         blocking collectives a failure raises before this) and no member found NaN/Inf in its
         local results (`anomaly`, agreed by one all-reduce). A live membership answers the same
-        on every member (the commit vote), and compares the members' state `fingerprint`s."""
+        on every member (the commit vote), and compares the members' state `fingerprint`s
+        (`intact`: does it equal this rank's own after its last update? None: not known)."""
         flag = torch.tensor([0.0 if anomaly is None else 1.0], dtype=torch.float64)
         if self.size > 1 and self.group is not None:
             self.all_reduce(flag)

@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its section modules, when loaded by path
-from report_context import ReportContext, tool_section  # noqa: E402
-from report_etcd import section_etcd_store  # noqa: E402
-from report_markdown import _f, _scale, _table  # noqa: E402
 from report_anomaly import (  # noqa: E402
     section_anomaly_cost,
     section_spike_threshold,
     section_straggler,
 )
+from report_context import ReportContext, tool_section  # noqa: E402
+from report_etcd import section_etcd_store  # noqa: E402
+from report_markdown import _f, _scale, _table  # noqa: E402
 from report_peers import section_peers  # noqa: E402
 from report_plots import (  # noqa: E402
     latency_rows,

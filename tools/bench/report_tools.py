@@ -256,7 +256,7 @@ TOOLS = (
         "a straggler's step time",
         "tools/bench/straggler.py",
         (),
-        ("--steps", "100", "--tail", "20"),
+        ("--model", "tiny", "--steps", "50"),
     ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]

@@ -82,7 +82,12 @@ class CommitVote:
         """Global rank -> pace, read after the last vote if it committed a step that shared."""
 
     def vote(
-        self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
+        self,
+        step: int,
+        ok: bool,
+        anomaly: str | None = None,
+        fingerprint: int | None = None,
+        intact: bool | None = None,
     ) -> bool:
         """Same verdict on every member: commit iff every member's reduction succeeded, no
         member found NaN/Inf in its own results (`anomaly`: what it found) and, on a
@@ -111,10 +116,11 @@ class CommitVote:
         if self.replica_size == 1:
             prints = None
             if fingerprint is not None:  # every member gathers on the same steps
-                mine = torch.tensor([fingerprint], dtype=torch.int64)
-                gathered = torch.zeros(m.size, dtype=torch.int64)
+                mine = torch.tensor([fingerprint, _code(intact)], dtype=torch.int64)
+                gathered = torch.zeros(2 * m.size, dtype=torch.int64)
                 ok = m.all_gather(gathered, mine) and ok
-                prints = dict(zip(m.members, gathered.tolist(), strict=True))
+                pairs = gathered.view(m.size, 2).tolist()
+                prints = {r: (fp, code) for r, (fp, code) in zip(m.members, pairs, strict=True)}
             votes = torch.tensor([1.0 if ok else 0.0, 1.0 if anomaly else 0.0], dtype=torch.float64)
             if m.all_reduce(votes) and ok and int(votes[0].item()) == m.size:
                 decided = rerun if votes[1].item() > 0 else _corrupt(g, prints) or commit
@@ -123,7 +129,7 @@ class CommitVote:
             if anomaly is not None:  # counted before the vote: the last voter sees it
                 store.add(keys.anomalies(g, step, a), 1)
             if fingerprint is not None:
-                store.set(keys.fingerprint(g, step, a, self.rank), str(fingerprint))
+                store.set(keys.fingerprint(g, step, a, self.rank), f"{fingerprint}:{_code(intact)}")
             count = store.add(keys.vote(g, step, a), 1)
             if count == m.size * self.replica_size:
                 flagged = keys.get_int(store, keys.anomalies(g, step, a)) > 0
@@ -180,7 +186,7 @@ class CommitVote:
             names = [keys.fingerprint(g, step, a, r * size + pos) for r in m.members]
             if not store.check(names[:1]):
                 return None
-            values = [int(v) for v in store.multi_get(names)]
+            values = [tuple(int(x) for x in v.split(b":")) for v in store.multi_get(names)]
             verdict = _corrupt(g, dict(zip(m.members, values, strict=True)))
             if verdict is not None:
                 named = {int(r) for r in verdict.rsplit(":", 1)[1].split(",") if r}
@@ -219,16 +225,25 @@ class CommitVote:
             delay = min(2 * delay or 1e-4, 2e-3)
 
 
-def _corrupt(g: int, prints: dict[int, int] | None) -> str | None:
-    """The decision for members' fingerprints that disagree (None: they agree, or none were
-    taken): `abort:<g>:corrupt:<replicas that differ from the majority>`, with no replica named
-    when no value holds a strict majority (2 replicas: the vote cannot tell which is wrong)."""
-    if not prints or len(set(prints.values())) == 1:
+def _code(intact: bool | None) -> int:
+    return -1 if intact is None else int(intact)
+
+
+def _corrupt(g: int, prints: dict[int, tuple[int, int]] | None) -> str | None:
+    """The decision for members' (fingerprint, intact code) that disagree (None: the fingerprints
+    agree, or none were taken): `abort:<g>:corrupt:<replicas that differ from the majority>`.
+    Without a strict majority (2 replicas, a tie) the replicas whose state changed since their
+    own last update (code 0: a flip at rest) are named, if that leaves someone intact; otherwise
+    nobody is named (the vote cannot tell which is wrong)."""
+    if not prints or len({fp for fp, _ in prints.values()}) == 1:
         return None
-    value, n = Counter(prints.values()).most_common(1)[0]
-    if 2 * n <= len(prints):
-        return _decision_of(g, [])
-    return _decision_of(g, sorted(r for r, v in prints.items() if v != value))
+    value, n = Counter(fp for fp, _ in prints.values()).most_common(1)[0]
+    if 2 * n > len(prints):
+        return _decision_of(g, sorted(r for r, (fp, _) in prints.items() if fp != value))
+    changed = sorted(r for r, (_, code) in prints.items() if code == 0)
+    if changed and len(changed) < len(prints):
+        return _decision_of(g, changed)
+    return _decision_of(g, [])
 
 
 def _decision_of(g: int, odd: list[int]) -> str:

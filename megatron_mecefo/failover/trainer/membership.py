@@ -22,6 +22,11 @@ class LiveMembership(Membership):
     compares_fingerprints = True
 
     def commit(
-        self, step: int, ok: bool, anomaly: str | None = None, fingerprint: int | None = None
+        self,
+        step: int,
+        ok: bool,
+        anomaly: str | None = None,
+        fingerprint: int | None = None,
+        intact: bool | None = None,
     ) -> bool:
-        return self.vote.vote(step, ok, anomaly, fingerprint)
+        return self.vote.vote(step, ok, anomaly, fingerprint, intact)

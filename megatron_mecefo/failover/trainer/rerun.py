@@ -27,8 +27,10 @@ data corruption, `commit.py`) names that replica: it posts `anomaly` and `classi
 corruption), and leaves with REJOIN, so its agent restarts it and it rejoins with a healthy
 peer's state; the leader posts `healed` once a step commits with it back. The second time a
 replica's state is found corrupt (counted in the store across incarnations), it is evicted.
-With no majority (2 replicas), nobody can be named: the job stops with DATA_ERROR rather than
-train on replicas that disagree.
+With no majority (2 replicas, a tie), the vote names the replica whose state changed since its
+own last update (a flip at rest, `commit._corrupt`); when that cannot tell either (both intact:
+their updates differed), nobody can be named and the job stops with DATA_ERROR rather than train
+on replicas that disagree.
 """
 
 from __future__ import annotations

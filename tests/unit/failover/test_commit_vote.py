@@ -207,6 +207,13 @@ def test_a_replica_whose_state_differs_from_the_majority_is_named_by_every_membe
 def test_without_a_majority_nobody_is_named():
     from megatron_mecefo.failover.trainer.commit import _corrupt
 
-    assert _corrupt(3, {0: 5, 1: 5, 2: 6}) == "abort:3:corrupt:2"
-    assert _corrupt(3, {0: 5, 1: 6}) == "abort:3:corrupt:"  # 2 replicas: a tie
-    assert _corrupt(3, {0: 5, 1: 5}) is None and _corrupt(3, None) is None
+    unknown = -1  # (fingerprint, intact code): -1 not known, 1 intact, 0 changed at rest
+    assert _corrupt(3, {0: (5, unknown), 1: (5, unknown), 2: (6, unknown)}) == "abort:3:corrupt:2"
+    assert _corrupt(3, {0: (5, 1), 1: (5, 1), 2: (6, 1)}) == "abort:3:corrupt:2"  # majority wins
+    assert _corrupt(3, {0: (5, unknown), 1: (6, unknown)}) == "abort:3:corrupt:"  # a tie
+    # 2 replicas: the one whose state changed since its own last update is named
+    assert _corrupt(3, {0: (5, 1), 1: (6, 0)}) == "abort:3:corrupt:1"
+    assert _corrupt(3, {0: (5, 0), 1: (6, 1)}) == "abort:3:corrupt:0"
+    assert _corrupt(3, {0: (5, 1), 1: (6, 1)}) == "abort:3:corrupt:"  # both intact: the updates
+    assert _corrupt(3, {0: (5, 0), 1: (6, 0)}) == "abort:3:corrupt:"
+    assert _corrupt(3, {0: (5, 1), 1: (5, 0)}) is None and _corrupt(3, None) is None

@@ -5,9 +5,9 @@ every replica's update:
 - spikes: the mean loss of this rank's micro-batches, or the norm of its local gradients, above
   `factor` x the median of the same statistic over its last committed steps (`SpikeWindow`; the
   factors and why they are what they are: `config/anomaly.py`, `docs/anomalies.md`). The loss is
-  checked whenever every task is exact (slices count their share of a micro-batch); the gradient
-  norm only on this rank's failure-free work, since a takeover or a rebalanced share changes how
-  much a rank sums and which gradients it computes.
+  checked on every attempt (slices count their share of a micro-batch; a degraded micro-batch's
+  forward pass is exact); the gradient norm only on this rank's failure-free work, since a
+  takeover or a rebalanced share changes how much a rank sums and which gradients it computes.
 
 The engine asks `record` after the backward pass and votes the step down when it is set (the
 failover rerun, `failover/trainer/rerun.py`, then classifies the fault from it). `skip` marks
@@ -134,8 +134,8 @@ class AnomalyGuard:
             self._grad_sq += norm * norm
 
     def check_spikes(self, loss_ok: bool, grad_ok: bool) -> None:
-        """After the backward pass: is this attempt's loss (if `loss_ok`: every task exact) or
-        gradient norm (if `grad_ok`: the failure-free work) a spike?"""
+        """After the backward pass: is this attempt's loss (if `loss_ok`: no micro-batch skipped)
+        or gradient norm (if `grad_ok`: the failure-free work) a spike?"""
         if not self.enabled or self.reason is not None:
             return
         loss, norm = self._stats()

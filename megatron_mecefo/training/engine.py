@@ -186,9 +186,9 @@ class Engine:
         self.anomaly.check_losses(
             [float(o["loss"]) for o in outputs], units=samples / tc.micro_batch_size
         )
-        exact = self._exact(plan, step)
-        ordinary = exact and self._own(plan)
-        self.anomaly.check_spikes(loss_ok=exact, grad_ok=ordinary)
+        judged = self._judged(plan, step)
+        ordinary = judged and self._own(plan)
+        self.anomaly.check_spikes(loss_ok=judged, grad_ok=ordinary)
         loss, global_samples = self._global_mean_loss(outputs)
         # a rank whose last parameter all-gather failed has stale parameters: never commit on them
         fresh = not getattr(self.optimizer, "stale", False)
@@ -201,7 +201,7 @@ class Engine:
         )
         updated, grad_norm = False, 0.0
         if committed:
-            self.anomaly.accept(loss_ok=exact, grad_ok=ordinary)
+            self.anomaly.accept(loss_ok=judged, grad_ok=ordinary)
             for wait in self.before_update:
                 wait()
             # E = 0: no member computed attention grads; AdamW must not move those weights
@@ -245,19 +245,19 @@ class Engine:
             clock = self.reducer.clock
             _stall((self.slow_factor - 1) * (clock() - self._t_compute), clock)
 
-    def _exact(self, plan: RankStepPlan, step: int) -> bool:
-        """No task of `plan` is degraded or skipped as bad data: its loss can be judged."""
+    def _judged(self, plan: RankStepPlan, step: int) -> bool:
+        """No task of `plan` is skipped as bad data: its loss can be judged (a degraded task's
+        forward pass is exact: MeCeFO's techniques change the backward only)."""
         return not any(
-            t.degraded or self.anomaly.is_skipped(step, t.source_dp_rank, t.micro_index)
-            for t in plan.tasks
+            self.anomaly.is_skipped(step, t.source_dp_rank, t.micro_index) for t in plan.tasks
         )
 
     def _own(self, plan: RankStepPlan) -> bool:
-        """Is `plan` this rank's failure-free work (its own micro-batches, whole)? Only then is
-        its local gradient norm comparable from step to step."""
+        """Is `plan` this rank's failure-free work (its own micro-batches, whole, exact)? Only
+        then is its local gradient norm comparable from step to step."""
         r, m = self.membership.replica, self.cfg.training.num_microbatches
-        return [(t.source_dp_rank, t.micro_index, t.samples) for t in plan.tasks] == [
-            (r, i, None) for i in range(m)
+        return [(t.source_dp_rank, t.micro_index, t.samples, t.degraded) for t in plan.tasks] == [
+            (r, i, None, False) for i in range(m)
         ]
 
     def _sampler_for(self, plan: RankStepPlan) -> MicroBatchSampler:

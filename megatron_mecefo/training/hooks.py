@@ -44,6 +44,9 @@ class StepControl(TrainHook):
     replica runs its own micro-batches, exactly; a step that was not committed is simply redone.
     It is also a hook (called first), so a control can stop the run or add to the summary."""
 
+    _tries: int = 0
+    """Attempts of the current step voted down so far (set per instance by `end_step`)."""
+
     def begin_step(self, engine: Any, step: int) -> RankStepPlan:
         """This rank's plan for `step` (each attempt of it)."""
         return engine.default_plan()
@@ -53,7 +56,7 @@ class StepControl(TrainHook):
         returns the fields a committed step adds to its metrics row. Without failover an attempt
         is voted down only for NaN/Inf: with no peer to tell bad data from a bad device, a step
         that stays non-finite for `anomaly.max_attempts` attempts stops the run."""
-        self._tries = 0 if result.committed else getattr(self, "_tries", 0) + 1
+        self._tries = 0 if result.committed else self._tries + 1
         limit = engine.cfg.anomaly.max_attempts
         if self._tries >= limit:
             from megatron_mecefo.errors import NumericalFaultError

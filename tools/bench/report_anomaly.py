@@ -77,7 +77,8 @@ def section_straggler(ctx: Any, doc: dict) -> list[str]:
     """Median step time before, during and after a straggler's mitigation."""
     a = doc.get("args") or {}
     out = [
-        f"{a.get('nproc', '?')} ranks under `mecefo-launch`, rank 1 {a.get('factor', '?')}x "
+        f"{a.get('nproc', '?')} ranks under `mecefo-launch`, model {a.get('model', '?')}, rank 1 "
+        f"{a.get('factor', '?')}x "
         f"slower from step {a.get('slow_from', '?')}; median step time of each phase "
         f"(`docs/anomalies.md`). Floor with uneven shares: {_f(doc.get('floor'), '.2f', 'x')}.",
         "",

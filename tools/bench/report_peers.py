@@ -15,8 +15,9 @@ def section_peers(ctx: Any, doc: dict) -> list[str]:
     s = doc.get("schedule") or {}
     out = [
         f"The same job on every system: the demo GPTModel, {s.get('replicas', '?')} data-parallel "
-        f"replicas, {s.get('steps', '?')} steps; replica 1 SIGKILLed at steps "
-        f"{s.get('kills', '?')}, back {s.get('down_s', '?')} s later. Goodput: samples in the "
+        f"replicas, {s.get('steps', '?')} steps; replica {s.get('kill_replica', '?')} SIGKILLed "
+        f"at steps {s.get('kill_steps', '?')}, back {s.get('down_s', '?')} s later. Goodput: "
+        "samples in the "
         "final model per wall second; kill -> commit: from each kill to the next committed step; "
         "max dev: the largest |loss - torchrun's| at a step. `docs/peers.md` reads the table.",
         "",

@@ -651,7 +651,8 @@ def test_etcd_store_section(tmp_path):
 
 def test_peers_and_anomaly_cost_sections(tmp_path):
     peers = {
-        "schedule": {"replicas": 4, "steps": 400, "kills": [50, 175, 300], "down_s": 2.0},
+        "schedule": {"replicas": 4, "steps": 400, "kill_replica": 1, "kill_steps": [50, 175, 300],
+                     "down_s": 2.0},  # the keys peers.py writes
         "columns": {
             "torchrun": {"step_s": 0.0845, "step_vs_torchrun": 1.0, "wall_s": 44.4,
                          "goodput_samples_per_s": 576.3, "kill_to_next_commit_s": [],

@@ -457,14 +457,22 @@ def _notes(job: Job, faults: Faults, events: list[dict]) -> list[str]:
             notes.append(f"failure of rank(s) {e.get('ranks')} no fault hit: {e.get('detail')}")
     logs = "".join(p.read_text(errors="replace") for p in job.folder.glob("node*.log"))
     fired = {e["fault"] for e in faults.ledger if e["fired"]}
+    classified = {(e.get("kind"), e.get("step")) for e in events if e.get("type") == "classified"}
     for f in job.s.faults:
         if f.by_trainer:
-            if f"[inject] rank {f.rank}: {f.kind}" not in logs:
+            if f.kind == "nan_data":  # bad data fires on whichever rank computes it: no line
+                if ("data", f.step) not in classified:
+                    notes.append(f"{f.describe()}: no data classification at step {f.step}")
+                continue
+            if f"[inject] rank {f.rank}: {f.inject_arg().split(':')[0]}" not in logs:
                 notes.append(f"{f.describe()} (trainer-side) never fired")
                 continue
             fired.add(f.describe())
-        # a flipped bit takes its replica out (it rejoins healed); a transient NaN does not
-        dies = f.kind in ("kill", "exception", "bitflip") or (f.kind == "stop" and f.hold_s > 3.0)
+        # a flipped bit takes its replica out (it rejoins healed), a persistent NaN for good; a
+        # transient NaN does not
+        dies = f.kind in ("kill", "exception", "bitflip", "nan_persistent") or (
+            f.kind == "stop" and f.hold_s > 3.0
+        )
         if dies and f.describe() in fired and not failed.get(f.rank):
             notes.append(f"{f.describe()}: fired, but no failure event for rank {f.rank}")
     return notes

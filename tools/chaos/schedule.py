@@ -33,6 +33,8 @@ KINDS = (
     "bitflip",
     "spike",
     "slow",
+    "nan_data",
+    "nan_persistent",
 )
 """Every fault kind, in the order schedules cycle through them (`Fault.kind`)."""
 SLOW_FACTOR = 2.0
@@ -67,8 +69,13 @@ KIND_HELP = {
     "spike:RANK:STEP), at a step past the spike warm-up; voted down, rerun, classified transient",
     "slow": f"a rank computes {SLOW_FACTOR:g}x slower from a step to the end (--inject "
     f"slow:RANK:{SLOW_FACTOR:g}:STEP); its share shrinks once its pace is compared",
+    "nan_data": "bad data: a replica's micro-batches of a step are NaN on whichever rank computes "
+    "them (--inject nan:RANK:STEP:data); classified data, skipped and named",
+    "nan_persistent": "a faulty device: a rank's outputs are NaN from a step on (--inject "
+    "nan:RANK:STEP:persistent); classified persistent, the rank is evicted (exit 11) and never "
+    "rejoins; the survivors finish",
 }
-SILENT = ("nan", "bitflip", "spike", "slow")
+SILENT = ("nan", "bitflip", "spike", "slow", "nan_data", "nan_persistent")
 """Trainer-side faults that no process death announces (`docs/anomalies.md`); opt-in (`--kinds`)."""
 FAIL_STOP = tuple(k for k in KINDS if k not in SILENT)
 """The default kinds: what the soak drew before the silent kinds existed (old seeds reproduce)."""
@@ -121,7 +128,14 @@ class Fault:
         where = "rejoin" if self.at == "rejoin" else str(self.step)
         if self.kind == "slow":
             return f"slow:{self.rank}:{SLOW_FACTOR:g}:{where}"
+        if self.kind.startswith("nan_"):  # nan_data -> nan:RANK:STEP:data
+            return f"nan:{self.rank}:{where}:{self.kind.removeprefix('nan_')}"
         return f"{self.kind}:{self.rank}:{where}"
+
+    @property
+    def evicts(self) -> bool:
+        """Takes its replica out for good (a persistent fault: never restarted)."""
+        return self.kind == "nan_persistent"
 
     def describe(self) -> str:
         target = (
@@ -224,6 +238,12 @@ class Schedule:
         if head and self.store == "tcp":
             return {lost: "the head node and its coordinator store are lost (docs/failover.md)"}
         ok = {int(ExitCode.OK): "finished every step"}
+        evicted = {f.rank for f in self.faults if f.evicts}
+        if any(set(self.ranks_of(n)) <= evicted for n in range(self.nodes)):
+            ok[int(ExitCode.EVICTED)] = (
+                "every rank of a node may be evicted for a persistent fault: its agent, left "
+                "with no rank to run, exits 11"
+            )
         if self.store == "tcp" and any(f.kind == "agent_kill" and f.node == 0 for f in self.faults):
             ok[lost] = "the coordinator may go with the head node's agent (its launcher)"
         if not self.recoverable and self.may_lose_every_replica():
@@ -243,7 +263,7 @@ class Schedule:
         node fault: every replica with a rank there), and those of each possible head node."""
         hits: list[set[int]] = []
         for f in self.faults:
-            if f.kind in _DYING and f.rank is not None and _dies(f):
+            if (f.kind in _DYING and f.rank is not None and _dies(f)) or f.evicts:
                 hits.append({self.replica_of(f.rank)})
             elif f.kind in ("node_loss", "agent_kill") and f.node is not None:
                 # agent_kill: if its ranks die with it

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_mecefo.errors import ExitCode
 from megatron_mecefo.metrics.summary import job_wide
 from tools.chaos import checks
 from tools.chaos.schedule import (
@@ -554,3 +555,36 @@ def test_spikes_come_after_the_warm_up_and_slow_ranks_say_how_slow():
         else:
             assert spec.factor == 2.0
     assert not set(FAIL_STOP) & {"spike", "slow"}
+
+
+def test_data_and_persistent_nan_kinds_inject_their_mode_and_an_evicted_node_may_exit_11():
+    from megatron_mecefo.testing.inject import parse_inject
+
+    plans = schedules(4, 12, kinds=("nan_data", "nan_persistent"), **LAYOUT)
+    faults = [f for p in plans for f in p.faults]
+    assert {f.kind for f in faults} == {"nan_data", "nan_persistent"}
+    for f in faults:
+        spec = parse_inject(f.inject_arg())
+        assert (spec.kind, spec.rank, spec.step, spec.mode) == (
+            "nan",
+            f.rank,
+            f.step,
+            f.kind.removeprefix("nan_"),
+        )
+        assert f.evicts == (f.kind == "nan_persistent")
+    one = _schedule([Fault(kind="nan_persistent", step=3, rank=1)], nodes=2, nproc=2)
+    assert int(ExitCode.EVICTED) not in one.acceptable_exits()  # node 0 keeps rank 0
+    assert not one.may_lose_every_replica()
+    both = _schedule(
+        [
+            Fault(kind="nan_persistent", step=3, rank=0),
+            Fault(kind="nan_persistent", step=5, rank=1),
+        ],
+        nodes=2,
+        nproc=2,
+    )
+    assert "exits 11" in both.acceptable_exits()[int(ExitCode.EVICTED)]
+    killed = _schedule(
+        [Fault(kind="nan_persistent", step=3, rank=0), Fault(kind="kill", step=5, rank=1)]
+    )  # one node of 2 ranks: an eviction and a kill may leave no replica
+    assert killed.may_lose_every_replica()

@@ -80,6 +80,10 @@ class CommitVote:
         """step -> this rank's pace to share with this step's vote, or None (no sharing)."""
         self.last_paces: dict[int, float] | None = None
         """Global rank -> pace, read after the last vote if it committed a step that shared."""
+        self._posted: dict[str, str] = {}
+        """This rank's last key of each per-vote kind (pace, fingerprint): deleted when it sets
+        the next one, so the store does not grow with the steps. Every member has read it by
+        then: each vote ends after its readers read."""
 
     def vote(
         self,
@@ -103,7 +107,7 @@ class CommitVote:
             self.before_vote(step, g, a)
         pace = self.pace_of(step) if self.pace_of is not None else None
         if pace is not None:
-            self.plane.store.set(keys.pace(g, step, a, self.rank), repr(pace))
+            self._post("pace", keys.pace(g, step, a, self.rank), repr(pace))
         dkey = keys.decision(g, step, a)
         latest = max(g, self.plane.latest_gen)
         verdict = None
@@ -129,7 +133,8 @@ class CommitVote:
             if anomaly is not None:  # counted before the vote: the last voter sees it
                 store.add(keys.anomalies(g, step, a), 1)
             if fingerprint is not None:
-                store.set(keys.fingerprint(g, step, a, self.rank), f"{fingerprint}:{_code(intact)}")
+                name = keys.fingerprint(g, step, a, self.rank)
+                self._post("fingerprint", name, f"{fingerprint}:{_code(intact)}")
             count = store.add(keys.vote(g, step, a), 1)
             if count == m.size * self.replica_size:
                 flagged = keys.get_int(store, keys.anomalies(g, step, a)) > 0
@@ -176,6 +181,14 @@ class CommitVote:
         elif not committed and not flags:  # the group saw an error: rebuild it
             self.pending = (g, f"pg/{g}/s{step}a{a}")
         return committed
+
+    def _post(self, kind: str, key: str, value: str) -> None:
+        store = self.plane.store
+        old = self._posted.get(kind)
+        if old is not None and old != key:
+            store.delete_key(old)
+        store.set(key, value)
+        self._posted[kind] = key
 
     def _corrupt_positions(self, g: int, step: int, a: int) -> str | None:
         """TP x PP > 1, the last voter: compare the fingerprints position by position (ranks

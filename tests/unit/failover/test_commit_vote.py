@@ -217,3 +217,30 @@ def test_without_a_majority_nobody_is_named():
     assert _corrupt(3, {0: (5, 1), 1: (6, 1)}) == "abort:3:corrupt:"  # both intact: the updates
     assert _corrupt(3, {0: (5, 0), 1: (6, 0)}) == "abort:3:corrupt:"
     assert _corrupt(3, {0: (5, 1), 1: (5, 0)}) is None and _corrupt(3, None) is None
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_paces_ride_on_the_vote_and_each_rank_keeps_only_its_latest_keys(tp):
+    """On the straggler watch's steps every rank sets its pace before it votes; once the step
+    commits every member reads the same paces. A rank deletes its previous pace and fingerprint
+    keys when it sets the next ones: the store does not grow with the steps."""
+    store, ranks = _setup(tp)
+    for v in ranks:
+        v.pace_of = lambda step, r=v.rank: 0.1 * (r + 1) if step % 2 == 0 else None
+    out = {}
+
+    def run(i, step):
+        out[i] = ranks[i].membership.commit(step, True, fingerprint=111)
+
+    for step in (2, 3, 4):
+        threads = [threading.Thread(target=run, args=(i, step)) for i in range(len(ranks))]
+        [t.start() for t in threads]
+        _join(threads)
+        assert set(out.values()) == {True}, step
+        want = None if step % 2 else {r: 0.1 * (r + 1) for r in range(N * tp)}
+        assert all(v.last_paces == want for v in ranks), step
+    for r in range(N * tp):
+        assert not store.check([keys.pace(1, 2, 0, r)]) and store.check([keys.pace(1, 4, 0, r)])
+        if tp > 1:  # the store path keeps fingerprints in the store
+            assert not store.check([keys.fingerprint(1, 3, 0, r)])
+            assert store.check([keys.fingerprint(1, 4, 0, r)])

@@ -191,11 +191,13 @@ def test_a_pipeline_resumes_bit_for_bit_and_reshards_to_one_stage(tmp_path, demo
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
     assert _losses(run) == _losses(straight)
+    reference = tmp_path / "reference"  # no dropout; its step-8 checkpoint resumes unpipelined
+    assert _train(reference, demo_data_dir, 12, *ck, nproc=2).returncode == 0
+    saved = layout.step_dir(reference / "checkpoints", 8)
     flat = tmp_path / "flat"
-    assert _train(flat, demo_data_dir, 8, *ck, nproc=2).returncode == 0
-    one = _train(flat, demo_data_dir, 12, "checkpoint.interval=4", "training.num_microbatches=4")
+    one = _train(flat, demo_data_dir, 12, f"checkpoint.resume={saved}", "training.num_microbatches=4")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "TP x PP = 1 x 2, this run has 1 x 1" in one.stdout
-    reference = tmp_path / "reference"
-    assert _train(reference, demo_data_dir, 12, *pp, nproc=2).returncode == 0
-    assert _losses(flat)[1] == pytest.approx(_losses(reference)[1], rel=1e-5)
+    steps, losses = _losses(flat)
+    assert steps == [8, 9, 10, 11]
+    assert losses == pytest.approx(_losses(reference)[1][8:], rel=1e-5)

@@ -182,9 +182,8 @@ def demo_job_args(
 def run_demo_job(
     launcher: str, nproc: int, steps: int, run_dir: Path, demo_dir: str, extra=()
 ) -> dict:
-    """Run the demo job to the end and read its run directory back (metrics, events, summary);
-    exits with the job's output tail if it fails. `launcher`: "torchrun", "failover"
-    (`mecefo-launch`, tcp store) or "failover-etcd"."""
+    """Run the demo job to the end and read its run directory back (`run_job`). `launcher`:
+    "torchrun", "failover" (`mecefo-launch`, tcp store) or "failover-etcd"."""
     train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
     if launcher.startswith("failover"):
         store = ["--store", "etcd", "--job-id", run_dir.name] if launcher.endswith("etcd") else []
@@ -192,23 +191,36 @@ def run_demo_job(
 
         cmd = launch_command(train_args, nproc_per_node=nproc, flags=store)
     else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(nproc),
-            "-m",
-            "megatron_mecefo.train",
-            *train_args,
-        ]
+        cmd = torchrun_command(nproc, ["-m", "megatron_mecefo.train", *train_args])
+    return run_job(cmd, run_dir, what=launcher)
+
+
+def torchrun_command(nproc: int, entry: list[str], restarts: int = 0) -> list[str]:
+    """`torchrun --standalone` of `nproc` processes running `entry`, restarted up to `restarts`
+    times."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(restarts),
+        *entry,
+    ]
+
+
+def run_job(cmd: list[str], run_dir: Path, timeout_s: float = 900, what: str = "job") -> dict:
+    """Run a job's command to its end (one thread per process, library warnings off) and read
+    its run directory back: wall time, metrics, events, summary. Exits with the job's output
+    tail if it fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         sys.exit(
-            f"error: {launcher} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+            f"error: {what} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
             f"{proc.stderr[-3000:]}"
         )
     return {

@@ -46,6 +46,7 @@ from bench_common import (  # noqa: E402
     ensure_demo,
     free_port,
     read_jsonl,
+    run_job,
     write_json,
 )
 
@@ -80,21 +81,6 @@ def agent_cmd(nproc: int, extra: list[str], train: list[str]) -> list[str]:
     return launch_command(train, nproc_per_node=nproc, flags=["--restart-delay-s", "0.5", *extra])
 
 
-def run_job(cmd: list[str], run_dir: Path, timeout_s: float = 600) -> dict:
-    start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        sys.exit(
-            f"error: job failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}"
-        )
-    return {
-        "wall_s": time.monotonic() - start,
-        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
-        "events": read_jsonl(run_dir / "events.jsonl"),
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-    }
-
-
 def first_event(events: list[dict], kind: str) -> dict | None:
     return next((e for e in events if e["type"] == kind), None)
 
@@ -103,7 +89,9 @@ def kill_run(store, cluster, tmp, steps, demo) -> dict:
     run_dir = tmp / f"kill_{store}"
     train = demo_job_args(steps, run_dir, demo, "--inject", "kill:2:10:4")
     res = run_job(
-        agent_cmd(4, store_args(store, cluster, f"kill-{time.time_ns()}"), train), run_dir
+        agent_cmd(4, store_args(store, cluster, f"kill-{time.time_ns()}"), train),
+        run_dir,
+        timeout_s=600,
     )
     det, reg = first_event(res["events"], "detection"), first_event(res["events"], "regroup")
     return {"detection_ms": det and det["latency_ms"], "regroup_ms": reg and reg["latency_ms"]}

@@ -36,6 +36,7 @@ from bench_common import (  # noqa: E402
     free_port,
     machine,
     read_jsonl,
+    torchrun_command,
     write_json,
 )
 from peers_report import columns, plot, print_table, torchft_trace  # noqa: E402
@@ -262,20 +263,6 @@ def _marker_times(kill_dir: Path) -> list[float]:
 
 
 # --------------------------------------------------------------------------------- systems
-def _torchrun(nproc: int, entry: list[str], restarts: int = 0) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(restarts),
-        *entry,
-    ]
-
-
 def _train_args(args, run_dir: Path, *extra: str) -> list[str]:
     # evaluation once, after the last step (the final validation loss of every system)
     return demo_job_args(
@@ -283,12 +270,12 @@ def _train_args(args, run_dir: Path, *extra: str) -> list[str]:
     )
 
 
-def run_torchrun(args, work: Path, ctx: dict) -> dict:
+def runtorchrun_command(args, work: Path, ctx: dict) -> dict:
     """Plain torchrun, failure-free; one synchronous checkpoint after the last step measures
     the cost of a save (Young/Daly's C: training waits for it)."""
     run_dir = work / "torchrun" / "run"
     run_dir.parent.mkdir(parents=True)
-    cmd = _torchrun(
+    cmd = torchrun_command(
         args.replicas,
         [
             "-m",
@@ -319,7 +306,7 @@ def run_checkpoint_restart(args, work: Path, ctx: dict) -> dict:
     kill_dir.mkdir(parents=True)
     k = ctx["checkpoint_interval"]
     extra = _sync_ckpt(k)
-    cmd = _torchrun(
+    cmd = torchrun_command(
         args.replicas,
         [str(ROOT / "tools" / "bench" / "peers_restart.py"), *_train_args(args, run_dir, *extra)],
         restarts=len(args.kill_steps) + 1,
@@ -444,7 +431,7 @@ def batch_sizes(replicas: int) -> dict:
 
 def run_system(name: str, args, work: Path, ctx: dict) -> dict:
     if name == "torchrun":
-        return run_torchrun(args, work, ctx)
+        return runtorchrun_command(args, work, ctx)
     if name == "checkpoint-restart":
         return run_checkpoint_restart(args, work, ctx)
     if name == "torchft":

@@ -61,8 +61,6 @@ class StepResult:
     (n x M when nothing was lost; a lost slice makes it fall short)."""
     global_samples: int = 0
     """Samples the whole group ran this step (n x M x micro-batch size when nothing was lost)."""
-    samples: int = 0
-    """Samples this rank ran."""
     compute_s: float = 0.0
     """This rank's own forward and backward time, its reductions excluded: on CPU this thread's
     CPU time (what it computed, whatever else shares the cores), on a GPU wall time
@@ -234,7 +232,6 @@ class Engine:
             committed=committed,
             global_microbatches=global_samples // tc.micro_batch_size,
             global_samples=global_samples,
-            samples=samples,
             compute_s=compute_s,
         )
 

@@ -467,16 +467,15 @@ class FailoverManager(RunControl):
         if self.vote.last_paces is None:
             return
         if watch.judge(self.vote.last_paces, m.members) and self.is_leader:
-            speeds = watch.speeds or {r: 1.0 for r in m.members}
-            slow = {r: round(1 / v, 2) for r, v in speeds.items() if v < 1.0}
+            slow = sorted(r for r, w in (watch.speeds or {}).items() if w < 1.0)
             post_event(
                 self.store,
                 "rebalanced",
                 step=result.step + 1,
-                dp_rank=min(slow) if slow else None,
+                dp_rank=slow[0] if slow else None,
                 detail=(
-                    f"replica(s) {sorted(slow)} compute slower than the others: shares in "
-                    f"proportion to {json.dumps(speeds)}"
+                    f"replica(s) {slow} compute slower than the others: shares in "
+                    f"proportion to {json.dumps(watch.speeds)}"
                     if slow
                     else "no straggler: even shares"
                 ),

@@ -45,7 +45,7 @@ class StragglerWatch:
         self.speeds: dict[int, float] | None = None
         """Replica -> share weight (1: a healthy replica) while rebalancing, else None."""
         self.generation: int | None = None
-        """The generation whose paces `speeds` come from."""
+        """The generation of the last committed step (`window` and `speeds` are its)."""
 
     @property
     def band(self) -> float:

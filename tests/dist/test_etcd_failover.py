@@ -239,7 +239,9 @@ def test_quorum_lost_stops_cleanly_then_resumes(tmp_path, demo_data_dir, cluster
     assert first.returncode == ExitCode.COORDINATOR_LOST, first.explain()
     assert "etcd unreachable" in first.output and "quorum lost?" in first.output
     assert "Traceback" not in first.output, first.explain()
-    assert stopped_s < 45, f"the job took {stopped_s:.0f} s to stop after the quorum was lost"
+    # ranks give up after their 5 s store timeout, agents after 10 s; nothing waits on the lost
+    # store after that (an agent's goodbye did: 20 s more before)
+    assert stopped_s < 25, f"the job took {stopped_s:.0f} s to stop after the quorum was lost"
     # every rank says where it stopped: no update without the vote, so at a step boundary
     kept = [int(n) for n in re.findall(r"the last step it committed is (-?\d+)", first.output)]
     assert len(kept) == 2, first.explain()

@@ -228,23 +228,28 @@ class Agent:
 
     def run(self) -> int:
         self.store.add(keys.AGENTS_ACTIVE, 1)
+        code = None
         try:
             self._start_fork_server()
             if self.node is not None:
                 self._start_node(wait_s=FORK_SERVER_READY_S)
             else:
                 self._top_up_spares()
-            return self._watch()
+            code = self._watch()
+            return code
         finally:
             self._stop_children()
             if self.beat_channel is not None:
                 self.beat_channel.remove()
-            try:
-                self.store.add(keys.AGENTS_ACTIVE, -1)
-            except Exception:  # noqa: BLE001 - the coordinator may be gone already
-                pass
-            if self.lease is not None:
-                self.lease.release()
+            # a store that did not answer for 10 s would hold each goodbye for its full timeout
+            # (measured: 20 s more to stop after an etcd quorum loss); the lease expires anyway
+            if code != ExitCode.COORDINATOR_LOST:
+                try:
+                    self.store.add(keys.AGENTS_ACTIVE, -1)
+                except Exception:  # noqa: BLE001 - the coordinator may be gone already
+                    pass
+                if self.lease is not None:
+                    self.lease.release()
 
     def _watch(self) -> int:
         last_ok = time.monotonic()

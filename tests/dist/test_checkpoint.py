@@ -177,20 +177,23 @@ def test_a_rollback_is_a_new_lineage_that_prune_and_auto_resume_keep_to(tmp_path
 
 
 def test_a_pipeline_resumes_bit_for_bit_and_reshards_to_one_stage(tmp_path, demo_data_dir):
-    """PP 2 (two processes, one replica): an interrupted-and-resumed run equals the uninterrupted
-    one bit for bit (every stage's model, optimizer and RNG shard); the same checkpoint also
-    resumes unpipelined, resharded, on the same curve (no dropout there: a stage draws its own
-    dropout masks, so only the weights and optimizer carry over)."""
+    """PP 2 (two processes, one replica): a run resumed from a step-8 checkpoint equals the
+    uninterrupted run that wrote it, bit for bit (every stage's model, optimizer and RNG shard);
+    the same layout's checkpoint also resumes unpipelined, resharded, on the same curve (no
+    dropout there: a stage draws its own dropout masks, so only the weights and optimizer carry
+    over). The resumed runs start from the folder (`checkpoint.resume`): `resume=auto` after an
+    interruption is `test_resume_equals_the_uninterrupted_run`'s."""
     pp = ("parallel.pipeline_model_parallel_size=2", "training.num_microbatches=4")
     ck = ("checkpoint.interval=4", "checkpoint.keep_latest=3", *pp)
     straight = tmp_path / "straight"
-    assert _train(straight, demo_data_dir, 12, *pp, DROPOUT, nproc=2).returncode == 0
+    assert _train(straight, demo_data_dir, 12, *ck, DROPOUT, nproc=2).returncode == 0
     run = tmp_path / "run"
-    assert _train(run, demo_data_dir, 8, *ck, DROPOUT, nproc=2).returncode == 0
-    second = _train(run, demo_data_dir, 12, *ck, DROPOUT, nproc=2)
+    at_8 = f"checkpoint.resume={layout.step_dir(straight / 'checkpoints', 8)}"
+    second = _train(run, demo_data_dir, 12, *ck, DROPOUT, at_8, nproc=2)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
-    assert _losses(run) == _losses(straight)
+    steps, losses = _losses(straight)
+    assert _losses(run) == (steps[8:], losses[8:]) and steps == list(range(12))
     reference = tmp_path / "reference"  # no dropout; its step-8 checkpoint resumes unpipelined
     assert _train(reference, demo_data_dir, 12, *ck, nproc=2).returncode == 0
     saved = layout.step_dir(reference / "checkpoints", 8)

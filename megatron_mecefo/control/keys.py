@@ -106,8 +106,16 @@ def standby(agent_id: int) -> str:
 
 
 def assign(agent_id: int) -> str:
-    """The node (int as text) the coordinator gives to standby agent `agent_id`."""
+    """The node (int as text) the coordinator gives to standby agent `agent_id`, or RETIRED for
+    an agent whose node was given away for computing too slowly (it takes no node again)."""
     return f"assign/{agent_id}"
+
+
+RETIRED = "retired"
+
+RETIRE = "straggler/retire"
+"""JSON {"replicas": {replica: times slower per sample}, "step"}: the leader asks the coordinator
+to give these replicas' nodes to free standbys (`failover/trainer/straggler.py`)."""
 
 
 def replacement(node: int) -> str:

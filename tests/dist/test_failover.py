@@ -36,10 +36,12 @@ def assert_recovered(
     tp: int = 1,
     min_failures: int = 1,
     min_rejoins: int = 1,
+    takeover: bool = True,
 ) -> dict:
     """Every invariant of a failover. A job stopped on request (`steps=None`: by the test,
     `stop_after_event`; `res.stopped`: by `until_rejoined`, after at least `steps` steps) is
-    checked over the steps it ran."""
+    checked over the steps it ran. `takeover=False`: the replaced ranks may be back before the
+    survivors took their work over (a standby's, within the step)."""
     if steps is None or res.stopped:
         assert res.returncode == ExitCode.PREEMPTED, res.explain()
         assert steps is None or len(res.metrics()) >= steps, res.explain()
@@ -66,7 +68,7 @@ def assert_recovered(
     assert violations == [], violations
     types = res.event_types()
     for kind in ("failure", "detection", "regroup", "takeover", "rejoin"):
-        assert kind in types, (kind, types)
+        assert kind in types or (kind == "takeover" and not takeover), (kind, types)
     return fo
 
 

@@ -209,6 +209,15 @@ class Coordinator:
             if st.node is not None:
                 by_node.setdefault(st.node, {})[rank] = st.incarnation
 
+        if self.ticks % 10 == 0:  # a straggler's node to a standby (`keys.RETIRE`)
+            self.spares.retire(
+                now,
+                self.detector.nodes,
+                by_node,
+                self.replica_ranks,
+                self._member_ranks(),
+                self.job_step,
+            )
         self.spares.tick(
             now,
             self.detector.nodes,

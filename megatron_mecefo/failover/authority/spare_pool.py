@@ -9,6 +9,11 @@ peer like any restarted rank, so degraded takeover only covers the seconds in be
 `node_lost` when the node is declared lost, `node_replaced` (latency from the failure) once every
 rank of the node is a member again. The state lives in the store (`replace/<node>`), so a
 restarted coordinator goes on with a replacement in flight.
+
+A node that computes too slowly (the leader's `keys.RETIRE` request, `trainer/straggler.py`) is
+given to a free standby the same way (`evicted`, then `node_replaced`); its own agent stops its
+ranks and stands by for good (`assign/<its id>` = `keys.RETIRED`). With no standby free the
+request is left: the straggler keeps its smaller share.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ class SparePool:
         self.lost: dict[int, dict] = {}  # node -> {"standby", "failure_epoch_s", "incarnations"}
         self._ids: list[int] = []  # agents that stood by (keys.STANDBY_LOG)
         self._log_pos = 0
+        self._no_standby_logged = False
 
     def restore(self, nodes: set[int]) -> None:
         for node in nodes:
@@ -97,11 +103,8 @@ class SparePool:
                 free = self.free(now)
                 if not free:
                     continue  # its ranks stay down (degraded) until a standby or the node returns
-                rec["standby"] = free[0]
+                self._give(node, free[0], rec["incarnations"], rec["failure_epoch_s"])
                 watch.touch(node, now)  # not lost again before the standby's first report
-                self.store.set(keys.node_owner(node), str(free[0]))
-                self.store.set(keys.assign(free[0]), str(node))
-                self._save(node)
                 self.log(f"[coordinator] node {node} given to standby agent {free[0]}")
             elif full_strength(node, {int(r): i for r, i in rec["incarnations"].items()}):
                 latency_s = time.time() - rec["failure_epoch_s"]
@@ -120,6 +123,73 @@ class SparePool:
                 watch.touch(node, now)
                 del self.lost[node]
                 self.store.delete_key(keys.replacement(node))
+
+    def retire(
+        self,
+        now: float,
+        watch: NodeWatch,
+        incarnations: dict[int, dict[int, int]],
+        replica_ranks: Callable[[int], list[int]],
+        member_ranks: list[int],
+        step: int,
+    ) -> None:
+        """Act on the leader's `keys.RETIRE` request, if any: give the nodes of the replicas it
+        names to free standbys (see the module docstring), never a node that holds every live
+        member (its state would go with it)."""
+        if not self.store.check([keys.RETIRE]):
+            return
+        request = json.loads(self.store.get(keys.RETIRE))
+        for replica, slower in sorted(request["replicas"].items()):
+            ranks = set(replica_ranks(int(replica)))
+            for node, at_node in sorted(incarnations.items()):
+                if node in self.lost or not ranks & set(at_node):
+                    continue
+                if not set(member_ranks) - set(at_node):
+                    return  # the only live state: it keeps its smaller share for now
+                free = self.free(now)
+                if not free:
+                    if not self._no_standby_logged:
+                        self.log(
+                            f"[coordinator] replica {replica} computes {slower}x slower "
+                            "per sample; no standby is free: it keeps a smaller share"
+                        )
+                        self._no_standby_logged = True
+                    return  # the request stays: a standby may come
+                self._give(node, free[0], at_node, time.time(), retired=True)
+                watch.touch(node, now)
+                why = f"replica {replica} computes {slower}x slower per sample than the others"
+                post_event(
+                    self.store,
+                    "evicted",
+                    step=max(step, request["step"]),
+                    dp_rank=int(replica),
+                    ranks=sorted(at_node),
+                    detail=f"node {node}: {why} (a straggler); given to standby agent {free[0]}",
+                )
+                self.log(f"[coordinator] node {node} given to standby agent {free[0]}: {why}")
+        self.store.delete_key(keys.RETIRE)
+
+    def _give(
+        self,
+        node: int,
+        standby: int,
+        ranks: dict[int, int],
+        failed_epoch_s: float,
+        *,
+        retired: bool = False,
+    ) -> None:
+        """`node` (its ranks' incarnations `ranks`) to `standby`; a retired node's agent never
+        takes a node again."""
+        if retired:
+            self.store.set(keys.assign(int(self.store.get(keys.node_owner(node)))), keys.RETIRED)
+        self.lost[node] = {
+            "standby": standby,
+            "failure_epoch_s": failed_epoch_s,
+            "incarnations": ranks,
+        }
+        self.store.set(keys.node_owner(node), str(standby))
+        self.store.set(keys.assign(standby), str(node))
+        self._save(node)
 
     def _save(self, node: int) -> None:
         self.store.set(keys.replacement(node), json.dumps(self.lost[node]))

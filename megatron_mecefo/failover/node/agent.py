@@ -451,17 +451,26 @@ class Agent:
             self.standby_logged = True
         self._top_up_spares()
         if self.store.check([keys.assign(self.agent_id)]):
-            node = int(self.store.get(keys.assign(self.agent_id)))
+            given = self.store.get(keys.assign(self.agent_id)).decode()
+            if given == keys.RETIRED:  # this machine computed too slowly: it takes no node
+                return None
+            node = int(given)
             self._take_node(node, adopted=True)
             self.log(f"taking over node {node}: ranks {self.ranks}")
             self._start_node()
         return None
 
     def _hand_over(self) -> None:
-        """The coordinator gave this node to a standby (this agent was silent too long): stop
-        this node's ranks and become a standby, so they never run twice."""
+        """The coordinator gave this node to a standby (this agent was silent too long, or its
+        ranks computed too slowly): stop this node's ranks and become a standby, so they never
+        run twice."""
         owner = self.store.get(keys.node_owner(self.node)).decode()
-        self.log(f"node {self.node} was given to agent {owner}; stopping its ranks, standing by")
+        mine = keys.assign(self.agent_id)  # set before the owner changed (`SparePool._give`)
+        retired = self.store.check([mine]) and self.store.get(mine).decode() == keys.RETIRED
+        why = " (its ranks computed too slowly: retired)" if retired else ""
+        self.log(
+            f"node {self.node} was given to agent {owner}{why}; stopping its ranks, standing by"
+        )
         for proc in list(self.procs.values()):
             signal_group(proc, signal.SIGKILL)
         if self.smp is not None:

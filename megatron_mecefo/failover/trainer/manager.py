@@ -128,6 +128,7 @@ class FailoverManager(RunControl):
             log=log,
         )
         self.straggler = StragglerWatch(cfg.straggler, replica_size=per_replica)
+        self._retire_asked = False  # this rank, as leader, asked for a straggler's eviction
         self.vote.pace_of = self.straggler.pace
         if fcfg.audit and self.position == 0:
             self.vote.before_vote = self._log_tasks
@@ -466,7 +467,19 @@ class FailoverManager(RunControl):
         watch.took(result.compute_s)
         if self.vote.last_paces is None:
             return
-        if watch.judge(self.vote.last_paces, m.members) and self.is_leader:
+        # a takeover's shares are uneven by design: its paces say nothing about the machines
+        full = len(m.members) == self.num_replicas
+        changed = watch.judge(self.vote.last_paces, m.members) if full else False
+        if self.is_leader and (watch.too_slow or self._retire_asked):
+            # renewed at each comparison, withdrawn once nobody is too slow: a standby that
+            # comes later never replaces a replica that has recovered
+            if watch.too_slow:
+                request = {"replicas": watch.too_slow, "step": result.step + 1}
+                self.store.set(keys.RETIRE, json.dumps(request))
+            else:
+                self.store.delete_key(keys.RETIRE)
+            self._retire_asked = bool(watch.too_slow)
+        if changed and self.is_leader:
             slow = sorted(r for r, w in (watch.speeds or {}).items() if w < 1.0)
             post_event(
                 self.store,
@@ -483,6 +496,10 @@ class FailoverManager(RunControl):
 
     def _plan(self, step: int) -> RankStepPlan | None:
         members = self.membership.members
+        # weights are a generation's: a joiner has none, so the old members forget theirs before
+        # the new generation's first step (not at its first commit: a rank replaced and back
+        # within one step kept them, and replica 3's samples ran twice, as slices and whole)
+        self.straggler.forget(self.membership.generation)
         speeds = self.straggler.speeds
         key = (members, tuple(sorted(speeds.items())) if speeds else None)
         if self._plan_cache is None or self._plan_cache[0] != key:

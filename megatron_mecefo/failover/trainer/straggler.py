@@ -20,10 +20,15 @@ another round:
   When every weight is back within that mark of 1 (the straggler recovered), the failure-free
   plans are back. The leader posts a `rebalanced` event at each change.
 
-A takeover (a replica lost) takes precedence, and a new generation starts the comparison afresh
+A replica slower than the others per sample (its pace over its weight) by `straggler.evict_factor`
+is `too_slow`: the leader asks the coordinator to give its node(s) to a free standby
+(`keys.RETIRE`, `authority/spare_pool.py`); with none free it keeps its smaller share.
+
+A takeover (a replica lost) takes precedence (nothing is judged while one runs: its shares are
+uneven by design), and a new generation starts the comparison afresh
 (every member forgets the weights at once, and a rejoined rank has no pace yet).
 Limits (`docs/anomalies.md`): with pipeline stages, the time a stage waits for its neighbours
-counts as compute; a slow rank is given less work, never evicted.
+counts as compute.
 """
 
 from __future__ import annotations
@@ -46,6 +51,9 @@ class StragglerWatch:
         """Replica -> share weight (1: a healthy replica) while rebalancing, else None."""
         self.generation: int | None = None
         """The generation of the last committed step (`window` and `speeds` are its)."""
+        self.too_slow: dict[int, float] = {}
+        """Replica -> how many times slower per sample than the others, for the replicas past
+        `evict_factor` at the last comparison."""
 
     @property
     def band(self) -> float:
@@ -77,6 +85,7 @@ class StragglerWatch:
         """Paces (global rank -> seconds) read after a committed vote: set `speeds`; True when
         they changed (this rank's window then starts again: its work changes next step)."""
         size = self.replica_size
+        self.too_slow = {}
         known = {}
         for r in members:
             ranks = [paces.get(r * size + p, 0.0) for p in range(size)]
@@ -89,8 +98,11 @@ class StragglerWatch:
         weights = dict(was)
         healthy = [p for r, p in known.items() if was[r] == 1.0]
         for r, p in known.items():
+            others = [x for q, x in known.items() if q != r and was[q] == 1.0]
+            per_sample = p / was[r] / statistics.median(others) if others else 0.0
+            if self.cfg.evict_factor and per_sample >= self.cfg.evict_factor:
+                self.too_slow[r] = round(per_sample, 2)
             if was[r] == 1.0:  # a new straggler: slower than the others by `factor`
-                others = [x for q, x in known.items() if q != r and was[q] == 1.0]
                 if others and p >= self.cfg.factor * statistics.median(others):
                     weights[r] = max(MIN_WEIGHT, round(statistics.median(others) / p, 2))
             else:  # a straggler's weight follows its pace until its time is the others'

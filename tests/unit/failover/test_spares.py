@@ -128,3 +128,32 @@ def test_on_etcd_a_node_is_lost_when_its_agents_lease_expires(store):
     watch.update(1, NodeReport("7:1", {}), now=1.0)  # the standby (agent 7) reports
     watch.leases = {5, 7}
     assert watch.lost(1, 1.5) is None
+
+
+def test_a_straggler_s_node_goes_to_a_free_standby_and_its_agent_is_retired(store):
+    """The leader's `keys.RETIRE` request: without a free standby it stays (the straggler keeps
+    its smaller share), nor while its node holds every live member; with one, replica 3's node
+    (node 1) is given to it, `evicted` names the
+    node and the slowdown, the old agent is marked RETIRED, and the replacement completes as for
+    a lost node."""
+    pool = SparePool(store, agent_timeout_s=1.0, log=lambda m: None)
+    watch = _watch(now=0.0)
+    store.set(keys.node_owner(1), "4")  # node 1's agent
+    store.set(keys.RETIRE, json.dumps({"replicas": {"3": 2.6}, "step": 21}))
+    ranks_of = lambda replica: [replica]  # noqa: E731 - TP x PP = 1
+    pool.retire(0.5, watch, RANKS, ranks_of, [0, 1, 2, 3], step=20)
+    assert pool.lost == {} and store.check([keys.RETIRE])  # no standby yet: left for later
+    _standby(store, 1, seq=1)
+    pool.read(now=0.6)
+    pool.retire(0.6, watch, RANKS, ranks_of, [2, 3], step=20)  # node 1 holds every live member
+    assert pool.lost == {} and store.check([keys.RETIRE])
+    pool.retire(0.6, watch, RANKS, ranks_of, [0, 1, 2, 3], step=20)
+    assert store.get(keys.node_owner(1)) == b"1" and store.get(keys.assign(1)) == b"1"
+    assert store.get(keys.assign(4)).decode() == keys.RETIRED
+    assert not store.check([keys.RETIRE]) and pool.lost[1]["incarnations"] == {2: 0, 3: 0}
+    evicted = [e for e in posted_events(store)[0] if e["type"] == "evicted"]
+    assert [(e["dp_rank"], e["ranks"], e["step"]) for e in evicted] == [(3, [2, 3], 21)]
+    assert "2.6x slower per sample" in evicted[0]["detail"]
+    assert watch.lost(1, 0.7) is None  # its old agent's silence is not a second loss
+    pool.tick(0.8, watch, RANKS, lambda node, at_loss: True, step=22)
+    assert [e["type"] for e in posted_events(store)[0]][-1] == "node_replaced"

@@ -68,3 +68,20 @@ def test_a_new_generation_forgets_the_weights_and_the_window():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="factor > 1"):
         StragglerConfig(factor=1.0)
+
+
+def test_a_replica_evict_factor_times_slower_per_sample_is_too_slow():
+    w = _watch()
+    members = (0, 1, 2, 3)
+    w.judge({0: 1.0, 1: 1.0, 2: 1.9, 3: 1.0}, members)
+    assert w.too_slow == {} and w.speeds[2] == 0.53  # 1.9x: a smaller share only
+    # on its smaller share it still takes 1.2 s: 1.2 / 0.53 = 2.26x the others per sample
+    w.judge({0: 1.0, 1: 1.0, 2: 1.2, 3: 1.0}, members)
+    assert w.too_slow == {2: 2.26}
+    assert not w.judge({0: 1.0, 1: 1.0, 2: 0.0, 3: 1.0}, members) and w.too_slow == {}
+    never = _watch(evict_factor=0)
+    assert never.judge({0: 1.0, 1: 3.0}, (0, 1)) and never.too_slow == {}
+    once = _watch()  # a new straggler 3x slower is too slow at its first comparison
+    assert once.judge({0: 1.0, 1: 3.0}, (0, 1)) and once.too_slow == {1: 3.0}
+    with pytest.raises(ValueError, match="evict_factor"):
+        StragglerConfig(evict_factor=1.2)

@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     import yaml
 
     from megatron_mecefo import precheck
-    from megatron_mecefo.config.batch import resolve_global_batch, world_size_from_env
+    from megatron_mecefo.config.batch import dp_size, resolve_global_batch, world_size_from_env
     from megatron_mecefo.config.loader import to_dict
-    from megatron_mecefo.session import StaticRun, run_session
+    from megatron_mecefo.data.pipeline import check_paths
 
     cfg = load_run_config(args)
     if args.dry_run:  # every check that needs no start-up (precheck.py), then the config
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"note: {unchecked}", file=sys.stderr, flush=True)
         return ExitCode.OK
     world = world_size_from_env(cfg)
+    dp_size(cfg, world)  # a user's mistake in a second, before torch and megatron are imported
+    check_paths(cfg.data)
     cfg = resolve_global_batch(cfg, world)  # fixed global batch, if set
     done = (
         None
@@ -58,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(done, flush=True)
         return ExitCode.OK
+    from megatron_mecefo.session import StaticRun, run_session
+
     if os.environ.get(COORDINATOR_ENV):
         control, hooks = _failover_control(cfg, args)
         return run_session(cfg, control, hooks)

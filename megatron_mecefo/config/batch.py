@@ -14,7 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from megatron_mecefo.errors import ConfigError, DistributedSetupError
+from megatron_mecefo.errors import ConfigError
+from megatron_mecefo.mcore.config import check_layout
 
 
 def dp_size(cfg: Any, world_size: int) -> int:
@@ -25,13 +26,8 @@ def dp_size(cfg: Any, world_size: int) -> int:
             cannot run: launch/README.md).
     """
     p = cfg.parallel
-    model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-    if world_size < 1 or world_size % model_parallel:
-        raise DistributedSetupError(
-            f"world size {world_size} is not a multiple of tensor x pipeline parallel size "
-            f"({p.tensor_model_parallel_size} x {p.pipeline_model_parallel_size})"
-        )
-    return world_size // model_parallel
+    check_layout(world_size, p.tensor_model_parallel_size, p.pipeline_model_parallel_size)
+    return world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
 
 
 def resolve_global_batch(cfg: Any, world_size: int) -> Any:

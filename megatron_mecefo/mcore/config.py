@@ -123,3 +123,14 @@ class ParallelConfig:
             raise ValueError("num_layers_in_first/last_pipeline_stage must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError("timeout_s must be > 0")
+
+
+def check_layout(world_size: int, tp: int, pp: int) -> None:
+    """`DistributedSetupError` (exit 4) unless `world_size` ranks divide into TP x PP."""
+    from megatron_mecefo.errors import DistributedSetupError
+
+    if world_size < 1 or world_size % (tp * pp):
+        raise DistributedSetupError(
+            f"world size {world_size} is not divisible by TP x PP = {tp} x {pp}; launch a "
+            f"multiple of {tp * pp} processes or change parallel.tensor_model_parallel_size"
+        )

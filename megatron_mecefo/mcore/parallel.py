@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_mecefo.errors import DistributedSetupError
 from megatron_mecefo.mcore import cpu_compat
-from megatron_mecefo.mcore.config import ParallelConfig
+from megatron_mecefo.mcore.config import ParallelConfig, check_layout
 
 
 @dataclasses.dataclass
@@ -85,11 +85,7 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
         _init_default_group(backend, cfg.timeout_s)
     world = dist.get_world_size()
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    if world % (tp * pp):
-        raise DistributedSetupError(
-            f"world size {world} is not divisible by TP x PP = {tp} x {pp}; launch a multiple of "
-            f"{tp * pp} processes or change parallel.tensor_model_parallel_size"
-        )
+    check_layout(world, tp, pp)
     if on_cpu:
         cpu_compat.apply()
     if not ps.model_parallel_is_initialized():

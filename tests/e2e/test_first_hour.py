@@ -59,7 +59,7 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 @pytest.mark.parametrize(
     ("env", "extra", "code", "says"),
     [
-        ({"NPROC": "4"}, ["parallel.tensor_model_parallel_size=3"], 4, "not a multiple of tensor"),
+        ({"NPROC": "4"}, ["parallel.tensor_model_parallel_size=3"], 4, "TP x PP = 3 x 1"),
         ({"NPROC": "2"}, ["run_dir={tmp}/file/run"], 2, "is not a directory"),
         ({"NPROC": "2"}, ["run_dir=/proc/mecefo-run"], 2, "/proc is not writable"),
         ({"NPROC": "2"}, ["data.path=/nonexistent/c4", "data.tokenizer_model=/x.model"], 3, "c4"),

@@ -115,4 +115,4 @@ def test_a_layout_that_does_not_divide_is_exit_4(capsys, tmp_path):
     args = ["--config", str(ROOT / DEMO), "--run-dir", str(tmp_path / "r")]
     code = _precheck(4, *args, "parallel.tensor_model_parallel_size=3")
     err = capsys.readouterr().err
-    assert code == ExitCode.DISTRIBUTED_ERROR == 4 and "not a multiple of tensor" in err, err
+    assert code == ExitCode.DISTRIBUTED_ERROR == 4 and "not divisible by TP x PP" in err, err

@@ -123,7 +123,7 @@ def test_resolution_rules():
     assert world_size_from_env(tp2, {}) == 2  # unset: one replica
     assert world_size_from_env(tp2, {"WORLD_SIZE": "8"}) == 8
     assert world_size_from_env(tp2, {"MECEFO_DRY_RUN_WORLD": "4"}) == 4
-    with pytest.raises(DistributedSetupError, match="tensor x pipeline"):
+    with pytest.raises(DistributedSetupError, match="not divisible by TP x PP = 2 x 1"):
         resolve_global_batch(tp2, 3)  # exit 4: a layout the job cannot run (launch/README.md)
 
 

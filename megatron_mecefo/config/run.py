@@ -54,6 +54,14 @@ class RunConfig:
         if not self.run_dir:
             raise ValueError("run_dir must not be empty")
         self._check_stages()
+        if self.mecefo.takeover_granularity == "sample" and (
+            self.parallel.pipeline_model_parallel_size > 1
+        ):
+            raise ValueError(
+                "mecefo.takeover_granularity: sample needs parallel.pipeline_model_parallel_size "
+                "= 1: pipeline stages exchange activations of one fixed micro-batch shape, so a "
+                "slice of a micro-batch cannot cross them; use microbatch"
+            )
         if self.mecefo.enabled and self.mecefo.takeover_policy == "hybrid":
             self._check_accuracy_costs()
 

@@ -6,7 +6,8 @@ and every task is exact, so the update is the failure-free one up to the order o
 replica whose share is under its M x b own samples keeps its first ones (whole micro-batches,
 then a slice) and hands the rest out; replicas over it take them, in (replica, micro-batch,
 sample) order, cut as takeover's sample granularity cuts (`plan/takeover.py`): a slice never
-crosses a micro-batch.
+crosses a micro-batch. With pipeline stages (`whole_microbatches`) shares come in whole
+micro-batches instead: the stages exchange activations of one fixed micro-batch shape.
 """
 
 from __future__ import annotations
@@ -38,10 +39,16 @@ def sample_shares(speeds: dict[int, float], total: int) -> dict[int, int]:
 
 
 def rebalanced_plans(
-    speeds: dict[int, float], *, num_microbatches: int, micro_batch_size: int
+    speeds: dict[int, float],
+    *,
+    num_microbatches: int,
+    micro_batch_size: int,
+    whole_microbatches: bool = False,
 ) -> dict[int, RankStepPlan]:
-    """One plan per replica of `speeds` (all of the job's replicas, alive)."""
-    n, m, b = len(speeds), num_microbatches, micro_batch_size
+    """One plan per replica of `speeds` (all of the job's replicas, alive); shares in whole
+    micro-batches when `whole_microbatches` (pipeline stages), else in samples."""
+    n, m = len(speeds), num_microbatches
+    b = 1 if whole_microbatches else micro_batch_size  # the unit a share counts in, per micro-batch
     if sorted(speeds) != list(range(n)):
         raise ValueError(f"rebalancing needs every replica 0..{n - 1}, got {sorted(speeds)}")
     own = m * b
@@ -76,7 +83,7 @@ def rebalanced_plans(
             tasks=tuple(tasks[r]),
             num_replicas=n,
             microbatches_per_replica=m,
-            micro_batch_size=b if sliced else None,
+            micro_batch_size=micro_batch_size if sliced else None,
         )
         for r in range(n)
     }

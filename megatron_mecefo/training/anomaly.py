@@ -157,11 +157,18 @@ class AnomalyGuard:
         if grad_ok:
             self.grad_norm.accept(norm)
 
-    def record(self) -> str | None:
-        """What this rank found, for the commit vote and the rerun (JSON), or None."""
+    def record(self, tasks=None, losses=None) -> str | None:
+        """What this rank found, for the commit vote and the rerun (JSON), or None. `tasks`: the
+        (source replica, micro-batch) of each task it ran; `losses`: each task's mean loss (None
+        off the last pipeline stage). The rerun judges and skips those tasks, wherever their data
+        came from (a straggler's share, a dead replica's)."""
         if self.reason is None:
             return None
-        return json.dumps({"what": self.reason, "kind": self.kind, "limit": self.limit})
+        rec = {"what": self.reason, "kind": self.kind, "limit": self.limit}
+        if tasks is not None:
+            rec["tasks"] = [list(t) for t in tasks]
+            rec["losses"] = losses
+        return json.dumps(rec)
 
     def peaks(self) -> dict[str, Any]:
         """How close this rank's committed steps came to the spike limits (summary.json's

@@ -190,10 +190,18 @@ class Engine:
         loss, global_samples = self._global_mean_loss(outputs)
         # a rank whose last parameter all-gather failed has stale parameters: never commit on them
         fresh = not getattr(self.optimizer, "stale", False)
+        b = tc.micro_batch_size
+        task_losses = (  # each task's mean: a slice's loss is its share of its micro-batch's
+            [float(o["loss"]) * b / t.num_samples(b) for o, t in zip(outputs, plan.tasks)]
+            if outputs
+            else None
+        )
         committed = self.membership.commit(
             step,
             self.membership.failed is None and fresh,
-            anomaly=self.anomaly.record(),
+            anomaly=self.anomaly.record(
+                [(t.source_dp_rank, t.micro_index) for t in plan.tasks], task_losses
+            ),
             fingerprint=fp,
             intact=intact,
         )
@@ -323,13 +331,12 @@ class Engine:
         return float(total[0] / max(float(total[1]) / mbs, 1.0)), int(total[1])
 
     @torch.no_grad()
-    def forward_check(self, step: int, source: int) -> list[float] | None:
-        """Recompute replica `source`'s micro-batches of `step` forward-only with this rank's
-        parameters (which equal the suspect's: replicas are bitwise equal): each one's loss.
-        None on a rank without losses (not the last pipeline stage). The rerun of a suspect's
-        step on a healthy peer (`failover/trainer/rerun.py`)."""
-        m = self.cfg.training.num_microbatches
-        tasks = [MicroBatchTask(source, i) for i in range(m)]
+    def forward_check(self, step: int, pairs: list[tuple[int, int]]) -> list[float] | None:
+        """Recompute the micro-batches `pairs` (source replica, index) of `step` forward-only with
+        this rank's parameters (which equal the suspect's: replicas are bitwise equal): each
+        one's loss. None on a rank without losses (not the last pipeline stage). The rerun of a
+        suspect's step on a healthy peer (`failover/trainer/rerun.py`)."""
+        tasks = [MicroBatchTask(source, i) for source, i in pairs]
         outputs = self._forward_only(tasks, self.train_sampler, step, training=True)
         return [float(o["loss"]) for o in outputs] if outputs else None
 

@@ -74,8 +74,9 @@ def test_transient_data_and_persistent_faults_are_rerun_classified_and_healed(
     assert details[4].startswith("loss spike ") and "x median" in details[4], details
     assert details[3] == "gradient NaN/Inf", details  # found in the reducer, before the loss
     nan_data, spike_data = (e for e in events if e.get("kind") == "data")
-    assert nan_data["microbatches"] == [0, 1] and len(nan_data["samples"]) == 8  # M 2, mbs 4
-    assert spike_data["microbatches"] == [0, 1] and spike_data["detail"].startswith("loss spike")
+    assert nan_data["microbatches"] == [[2, 0], [2, 1]] and len(nan_data["samples"]) == 8  # M 2
+    assert spike_data["microbatches"] == [[1, 0], [1, 1]]
+    assert spike_data["detail"].startswith("loss spike")
     assert set(spike_data["samples"]).isdisjoint(nan_data["samples"])
     # the skipped samples are not trained on: 6 of 8 micro-batches at steps 6 and 8
     assert [r["global_microbatches"] for r in rows[5:10]] == [8, 6, 8, 6, 8]
@@ -188,3 +189,60 @@ def test_a_straggler_gets_a_smaller_share_until_its_compute_time_is_the_others(
     )
     assert violations == [], violations
     assert res.summary()["failover"]["rebalanced"] == len(rebalanced)
+
+
+def test_with_pipeline_stages_spikes_are_classified_and_a_straggler_gets_whole_micro_batches(
+    tmp_path, demo_data_dir
+):
+    """PP 2 x DP 2 (a replica is two stages; only the last stage has losses, each stage its own
+    gradient norm): slow:3:2:2 slows replica 1's last stage from step 2; spike:1:8 spikes replica
+    0's outputs once; spike:2:11:data marks replica 1's step-11 data bad; nan:3:14:persistent
+    makes replica 1's last stage NaN for good. The straggler's share drops in whole micro-batches
+    (a slice cannot cross stages: sample slices once crashed both replicas here); the spikes are
+    classified transient and data; the faulty replica leaves whole (both stages) and the other
+    finishes the job with every stage's replicas equal up to then."""
+    steps = 18
+    res = launch(
+        tmp_path,
+        demo_data_dir,
+        steps=steps,
+        inject=("slow:3:2:2", "spike:1:8", "spike:2:11:data", "nan:3:14:persistent"),
+        overrides=(
+            *SPIKES,
+            "parallel.pipeline_model_parallel_size=2",
+            "training.num_microbatches=4",
+            "straggler.interval=5",
+            "straggler.window=3",
+        ),
+    )
+    assert res.returncode == ExitCode.OK, res.explain()
+    rows = res.metrics()
+    kinds = [(e["type"], e.get("kind"), e["step"], e.get("dp_rank")) for e in res.events()]
+    classified = [k[1:] for k in kinds if k[0] == "classified"]
+    # replica 1's bad data runs on both members (replica 0 computes a share of it), so both
+    # flag it: data, classified by each
+    assert classified[0] == ("transient", 8, 0) and classified[-1] == ("persistent", 14, 1), kinds
+    assert sorted(classified[1:-1]) == [("data", 11, 0), ("data", 11, 1)], kinds
+    skipped = sorted(
+        tuple(p) for e in res.events() if e.get("kind") == "data" for p in e["microbatches"]
+    )  # replica 1's micro-batches, wherever they ran, and none of replica 0's
+    assert skipped == [(1, i) for i in range(4)], skipped
+    assert ("evicted", None, 14, 1) in kinds
+    assert "rank 3 was evicted for a persistent NaN/Inf; not restarting it" in res.output
+    assert rows[-1]["replicas_alive"] == 1 and rows[-1]["global_microbatches"] == 8
+    assert max(float(r["loss"]) for r in rows) < rows[0]["loss"] + 0.5  # no spike committed
+    assert [r["global_microbatches"] for r in rows[10:13]] == [8, 4, 8]  # step 11's data skipped
+    rebalanced = [k for k in kinds if k[0] == "rebalanced"]
+    assert rebalanced and rebalanced[0][2:] == (6, 1), kinds
+    shares: dict[int, dict[int, int]] = {}
+    for row in res.task_rows():
+        assert all(len(t) == 3 for t in row["tasks"]), row  # whole micro-batches, no slice
+        shares.setdefault(row["step"], {})[row["replica"]] = len(row["tasks"])
+    assert all(shares[s] == {0: 4, 1: 4} for s in range(6)), shares
+    assert all(shares[s][1] < 4 and sum(shares[s].values()) == 8 for s in range(6, 14)), shares
+    violations = (
+        checks.check_metrics(res.run_dir, steps)
+        + checks.check_digests(res.run_dir, steps, replica_size=2, required=range(2))
+        + checks.check_summary(res.run_dir)
+    )
+    assert violations == [], violations

@@ -509,6 +509,7 @@ class FailoverManager(RunControl):
                     speeds,
                     num_microbatches=self.cfg.training.num_microbatches,
                     micro_batch_size=self.cfg.training.micro_batch_size,
+                    whole_microbatches=self.cfg.parallel.pipeline_model_parallel_size > 1,
                 )[self.replica]
             elif len(members) < self.num_replicas:
                 plans = plans_for_members(self.cfg, members, self.num_replicas)

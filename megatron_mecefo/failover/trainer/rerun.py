@@ -6,8 +6,9 @@ the same decisions here without another vote:
 1. a suspect's first anomaly at a step: `anomaly` + `rerun` events; the step is redone as is. If
    the redo commits, the fault was **transient** (`classified`, kind transient);
 2. the same suspect again at the same step: the lowest member that is not a suspect recomputes the
-   suspect's micro-batches forward-only with its own (bitwise equal) parameters and posts their
-   losses (`keys.rerun_verdict`); everyone waits for them (bounded) and judges them against the
+   micro-batches the suspect ran (its record names them: its own, a straggler's share or a dead
+   replica's) forward-only with its own (bitwise equal) parameters and posts their losses
+   (`keys.rerun_verdict`); everyone waits for them (bounded) and judges them against the
    suspect's record (`training/anomaly.AnomalyGuard.record`, `reproduced`):
    - the fault does not reproduce on the peer (finite losses; for a loss spike, a mean within
      the suspect's limit): **persistent** on the suspect (a device fault). The suspect posts
@@ -18,7 +19,9 @@ the same decisions here without another vote:
      `classified` event, and the step is redone;
    - a gradient-norm spike: a forward pass cannot judge a backward one, so it is never called a
      device fault: data, all of the suspect's micro-batches of that step;
-   - no member left to check (every member flagged): data, unchecked.
+   - no member left to check (every member flagged): data, unchecked: the micro-batches whose
+     own loss the suspect found at fault, or, when its losses cannot tell (a gradient fault, a
+     stage without losses), all it ran.
 The peer recomputes with the parameters of the step being redone, which every replica holds:
 no NaN was ever applied (the vote is taken before the update).
 
@@ -163,21 +166,26 @@ class AnomalyRerun:
                 self.pending[step].remove(r)
             check = self.seen[(step, r)]
             record = self._record(g, step, a, r)
+            m = engine.cfg.training.num_microbatches
+            ran = list(dict.fromkeys(tuple(t) for t in record.get("tasks", ()))) or [
+                (r, i) for i in range(m)
+            ]
             if healthy:
-                losses = self._peer_check(engine, step, r, healthy[0], check)
-                again_there, bad = reproduced(record, losses)
-            else:  # unchecked: data, every micro-batch
-                again_there, bad = True, list(range(engine.cfg.training.num_microbatches))
+                losses = self._peer_check(engine, step, r, healthy[0], check, ran)
+                again_there, at_fault = reproduced(record, losses)
+                bad = [ran[i] for i in at_fault]
+            else:  # unchecked: data
+                again_there, bad = True, unchecked_faults(record, ran)
             if not again_there:
                 self._persistent(step, r, record)
             else:
                 self._data(engine, step, r, bad, record, checked=bool(healthy))
 
-    def _peer_check(self, engine, step: int, suspect: int, checker: int, check: int) -> list:
+    def _peer_check(self, engine, step: int, suspect: int, checker: int, check: int, pairs):
         key = keys.rerun_verdict(step, suspect, check)
         store = self.plane.store
         if self.membership.replica == checker:
-            losses = engine.forward_check(step, suspect)
+            losses = engine.forward_check(step, pairs)
             if losses is not None:  # the ranks with losses (last pipeline stage) post them
                 store.set(key, json.dumps(losses))
         deadline = time.monotonic() + self.timeout_s
@@ -206,12 +214,13 @@ class AnomalyRerun:
                 "evicted (the survivors take its micro-batches over)"
             )
 
-    def _data(self, engine, step, suspect: int, bad: list[int], record: dict, *, checked: bool):
+    def _data(self, engine, step, suspect: int, bad: list, record: dict, *, checked: bool):
+        """`bad`: (source replica, micro-batch) pairs, skipped from now on."""
         self.classified["data"] += 1
-        for i in bad:
-            engine.anomaly.skipped.add((step, suspect, i))
+        for source, i in bad:
+            engine.anomaly.skipped.add((step, source, i))
         mbs = engine.cfg.training.micro_batch_size
-        samples = [engine.train_sampler.sample_indices(step, suspect, i) for i in bad]
+        samples = [engine.train_sampler.sample_indices(step, source, i) for source, i in bad]
         if self.writes_events():
             self._post_classified(
                 step,
@@ -223,13 +232,13 @@ class AnomalyRerun:
                     if checked
                     else "every member flagged it (no peer to check): skipped"
                 ),
-                microbatches=bad,
+                microbatches=[list(p) for p in bad],
                 samples=[s for ids in samples for s in ids],
                 samples_skipped=len(bad) * mbs,
             )
         self.log(
-            f"[failover] step {step}: replica {suspect}'s micro-batches {bad} are bad data "
-            f"({record['what']}, wherever computed); skipped"
+            f"[failover] step {step}: micro-batches {bad} (source replica, index) that replica "
+            f"{suspect} ran are bad data ({record['what']}, wherever computed); skipped"
         )
 
     def _post_classified(self, step: int, replicas: list[int], kind: str, detail: str, **extra):
@@ -262,3 +271,18 @@ def reproduced(record: dict, losses: list[float]) -> tuple[bool, list[int]]:
         mean = sum(losses) / len(losses) if losses else 0.0
         return not math.isfinite(mean) or mean > limit, bad
     return bool(bad), bad
+
+
+def unchecked_faults(record: dict, ran: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """With no healthy peer to recompute them: the micro-batches of `ran` whose own loss in the
+    suspect's `record` is non-finite or over a loss spike's limit; all of `ran` when its losses
+    cannot tell (a gradient fault, a record without losses)."""
+    losses, limit = record.get("losses"), record.get("limit")
+    if not losses or record["kind"] == "grad" or len(losses) != len(record.get("tasks", ())):
+        return ran
+    over = {
+        tuple(t)
+        for t, x in zip(record["tasks"], losses, strict=True)
+        if not math.isfinite(x) or (record["kind"] == "loss" and limit is not None and x > limit)
+    }
+    return [p for p in ran if p in over] or ran

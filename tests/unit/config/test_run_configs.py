@@ -168,3 +168,16 @@ def test_the_llama3_70b_layout_shards_the_optimizer_over_32_replicas(monkeypatch
     assert resolved["num_microbatches"] == 32  # 1024 sequences / (1 x 32 replicas)
     code, _ = _dry_run(path, world, monkeypatch, "parallel.pipeline_model_parallel_size=3")
     assert code == ExitCode.CONFIG_ERROR  # 80 layers do not split over 3 stages
+
+
+def test_sample_granularity_is_refused_with_pipeline_stages():
+    """A slice of a micro-batch cannot cross pipeline stages (fixed activation shapes): a PP 2 job
+    with sample-granular takeover crashed every replica at its first takeover with 3 replicas."""
+    with pytest.raises(ValueError, match="sample needs parallel.pipeline_model_parallel_size = 1"):
+        load_config(
+            RunConfig,
+            CONFIGS / "run" / "demo_cpu.yaml",
+            ["parallel.pipeline_model_parallel_size=2", "mecefo.takeover_granularity=sample"],
+        )
+    ok = ["parallel.pipeline_model_parallel_size=2", "mecefo.takeover_granularity=microbatch"]
+    assert load_config(RunConfig, CONFIGS / "run" / "demo_cpu.yaml", ok).parallel

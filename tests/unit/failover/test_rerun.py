@@ -67,16 +67,18 @@ def _suspected(store, rerun, step: int, record: dict, peer_losses: list[float]):
     from megatron_mecefo.control import keys
 
     g = 1
+    asked: list = []
     rerun.vote.suspects = lambda *_: [1]
     engine = types.SimpleNamespace(
         cfg=types.SimpleNamespace(
             training=types.SimpleNamespace(num_microbatches=2, micro_batch_size=4)
         ),
-        forward_check=lambda step, source: list(peer_losses),
+        forward_check=lambda step, pairs: (asked.append(list(pairs)), list(peer_losses))[1],
         train_sampler=types.SimpleNamespace(
             sample_indices=lambda step, source, i: [source * 8 + i * 4 + k for k in range(4)]
         ),
         anomaly=types.SimpleNamespace(skipped=set()),
+        asked=asked,
     )
     for a in (0, 1):
         store.set(keys.anomaly(g, step, a, 1), json.dumps(record))
@@ -112,5 +114,39 @@ def test_a_spike_that_reproduces_on_a_healthy_peer_is_bad_data_and_skipped():
     engine = _suspected(store, _rerun(store, replica=0, leader=True), 7, SPIKE, [6.1, 310.0])
     assert engine.anomaly.skipped == {(7, 1, 1)}
     data = next(e for e in posted_events(store)[0] if e["type"] == "classified")
-    assert (data["kind"], data["microbatches"], data["samples"]) == ("data", [1], [12, 13, 14, 15])
+    assert (data["kind"], data["microbatches"], data["samples"]) == (
+        "data",
+        [[1, 1]],
+        [12, 13, 14, 15],
+    )
+    assert engine.asked == [[(1, 0), (1, 1)]]  # a record without tasks: the suspect's own
     assert data["detail"].startswith("loss spike 310")
+
+
+def test_the_peer_recomputes_what_the_suspect_ran_and_skips_that():
+    """A suspect that ran a straggler's or a dead replica's micro-batch names it in its record:
+    the peer recomputes exactly those, and the bad one is skipped by its source (replica 2's
+    micro-batch 1 here, which replica 1 computed), not replica 1's own."""
+    store = dist.HashStore()
+    record = {**SPIKE, "tasks": [[1, 0], [1, 1], [2, 1]], "losses": [6.1, 6.2, 300.0]}
+    engine = _suspected(store, _rerun(store, replica=0, leader=True), 7, record, [6.1, 6.2, 300])
+    assert engine.asked == [[(1, 0), (1, 1), (2, 1)]]
+    assert engine.anomaly.skipped == {(7, 2, 1)}
+    data = next(e for e in posted_events(store)[0] if e["type"] == "classified")
+    assert data["microbatches"] == [[2, 1]] and data["samples"] == [20, 21, 22, 23]
+
+
+def test_unchecked_data_skips_what_the_suspect_s_own_losses_name():
+    """Every member flagged (no peer): the suspect's own per-micro-batch losses say which are at
+    fault; when they cannot tell, everything it ran."""
+    from megatron_mecefo.failover.trainer.rerun import unchecked_faults
+
+    ran = [(0, 0), (0, 1), (1, 3)]
+    tasks = [list(p) for p in ran]
+    spike = {**SPIKE, "tasks": tasks, "losses": [6.1, 6.3, 301.0]}
+    assert unchecked_faults(spike, ran) == [(1, 3)]
+    nan = {"what": "loss NaN/Inf", "kind": "nan", "limit": None, "tasks": tasks}
+    assert unchecked_faults({**nan, "losses": [6.1, float("nan"), 6.0]}, ran) == [(0, 1)]
+    assert unchecked_faults({**nan, "losses": [6.1, 6.2, 6.0]}, ran) == ran  # a gradient fault
+    assert unchecked_faults({**spike, "kind": "grad"}, ran) == ran
+    assert unchecked_faults({**spike, "losses": None}, ran) == ran  # not the last stage

@@ -69,3 +69,19 @@ def test_bad_speeds_are_refused():
         sample_shares({0: 1.0, 1: 0.0}, 8)
     with pytest.raises(ValueError, match="every replica"):
         rebalanced_plans({0: 1.0, 2: 1.0}, num_microbatches=1, micro_batch_size=2)
+
+
+def test_with_pipeline_stages_shares_are_whole_micro_batches():
+    """`whole_microbatches` (PP > 1: the stages exchange one fixed micro-batch shape): no slice,
+    every micro-batch once, each replica's count in proportion to its speed."""
+    speeds = {0: 1.0, 1: 0.5}
+    plans = rebalanced_plans(
+        speeds, num_microbatches=4, micro_batch_size=4, whole_microbatches=True
+    )
+    assert not any(t.is_slice for p in plans.values() for t in p.tasks)
+    assert all(p.micro_batch_size is None for p in plans.values())
+    seen = Counter((t.source_dp_rank, t.micro_index) for p in plans.values() for t in p.tasks)
+    assert set(seen.values()) == {1} and len(seen) == 8
+    assert {r: len(p.tasks) for r, p in plans.items()} == sample_shares(speeds, 8) == {0: 5, 1: 3}
+    sliced = rebalanced_plans(speeds, num_microbatches=4, micro_batch_size=4)
+    assert any(t.is_slice for p in sliced.values() for t in p.tasks)  # in samples, it would cut

@@ -195,6 +195,41 @@ def run_demo_job(
     return run_job(cmd, run_dir, what=launcher)
 
 
+def run_demo_nodes(
+    nnodes: int, standby: int, steps: int, run_dir: Path, demo_dir: str, extra=(), nproc: int = 1
+) -> dict:
+    """The demo job on `nnodes` simulated nodes of `nproc` ranks (an agent each, node 0 with the
+    tcp store) plus `standby` spare agents, to the end; read back as `run_job` does."""
+    from megatron_mecefo.failover.node.agent_cli import launch_command
+
+    train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    start, procs = time.monotonic(), []
+    for node in range(nnodes + standby):
+        where = (
+            ["--coordinator-port", str(port)]
+            if node == 0
+            else ["--coordinator", f"127.0.0.1:{port}"]
+        )
+        cmd = launch_command(
+            train_args, nproc_per_node=nproc, nnodes=nnodes, node_rank=node,
+            flags=[*where, *(["--standby"] if node >= nnodes else [])],
+        )  # fmt: skip
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+        if node == 0:
+            time.sleep(1.0)  # the store first
+    outs = [p.communicate(timeout=900)[0] for p in procs]
+    if procs[0].returncode != 0:
+        sys.exit(f"error: the {nnodes}-node job failed ({procs[0].returncode}):\n{outs[0][-3000:]}")
+    return {
+        "wall_s": time.monotonic() - start,
+        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
+        "events": read_jsonl(run_dir / "events.jsonl"),
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+    }
+
+
 def torchrun_command(nproc: int, entry: list[str], restarts: int = 0) -> list[str]:
     """`torchrun --standalone` of `nproc` processes running `entry`, restarted up to `restarts`
     times."""

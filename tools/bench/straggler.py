@@ -4,9 +4,11 @@
     python tools/bench/straggler.py                  # CPU: 2 ranks, the small model
     python tools/bench/straggler.py --model tiny --steps 140 --slow-from 20 --tail 40
 
-Three runs of the same job, one after another: failure-free; rank 1 slowed `--factor` x from
-`--slow-from` with the straggler watch off (what a job without it pays); and the same with the
-watch on (paces compared every `--interval` steps over `--window`-step windows). From
+Four runs of the same job, one after another: failure-free; rank 1 slowed `--factor` x from
+`--slow-from` with the straggler watch off (what a job without it pays); the same with the
+watch on (paces compared every `--interval` steps over `--window`-step windows); and the same
+with each rank on its own simulated node and a standby node, `straggler.evict_factor` at
+`--evict-factor`: the slow node is handed to the standby (`--nproc` must be 2 for it). From
 each run's metrics, the median step time of three phases: before the slowdown, slowed before the
 first comparison could act, and the last `--tail` steps. Prints a table, with the floor that
 uneven shares can reach (n / (n - 1 + 1/factor) x the failure-free time), and writes JSON.
@@ -24,7 +26,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import bench_parser, ensure_demo, machine, run_demo_job, write_json  # noqa: E402
+from bench_common import (  # noqa: E402
+    bench_parser,
+    ensure_demo,
+    machine,
+    run_demo_job,
+    run_demo_nodes,
+    write_json,
+)
 
 
 def parse_args(argv=None):
@@ -37,6 +46,9 @@ def parse_args(argv=None):
     p.add_argument("--interval", type=int, default=5, help="straggler.interval")
     p.add_argument("--window", type=int, default=5, help="straggler.window")
     p.add_argument("--tail", type=int, default=20, help="steps of the 'after' phase")
+    p.add_argument(
+        "--evict-factor", type=float, default=1.5, help="straggler.evict_factor, standby run"
+    )
     p.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override"
     )
@@ -71,16 +83,25 @@ def main(argv=None) -> int:
         "failure-free": args.set,
         "slowed, watch off": [*slow, *args.set, "straggler.enabled=false"],
         "slowed, watch on": [*slow, *args.set],
+        "slowed, standby": [*slow, *args.set, f"straggler.evict_factor={args.evict_factor:g}"],
     }
     rows = {}
     with tempfile.TemporaryDirectory(prefix="mecefo-straggler-") as tmp:
         for name, extra in runs.items():
             print(f"[bench] {name} ...", file=sys.stderr, flush=True)
             run_dir = Path(tmp) / name.replace(" ", "_").replace(",", "")
-            res = run_demo_job("failover", args.nproc, args.steps, run_dir, args.demo_dir, extra)
+            if name.endswith("standby"):
+                if args.nproc != 2:
+                    continue
+                res = run_demo_nodes(2, 1, args.steps, run_dir, args.demo_dir, extra)
+            else:
+                res = run_demo_job(
+                    "failover", args.nproc, args.steps, run_dir, args.demo_dir, extra
+                )
             rows[name] = {
                 **_phases(res["metrics"], args),
                 "rebalanced": [e for e in res["events"] if e["type"] == "rebalanced"],
+                "evicted": [e for e in res["events"] if e["type"] in ("evicted", "node_replaced")],
             }
     base = rows["failure-free"]["before"]
     n, f = args.nproc, args.factor
@@ -98,6 +119,8 @@ def main(argv=None) -> int:
     print(f"floor with uneven shares: {floor:.2f}x; rebalanced events (watch on):")
     for e in rows["slowed, watch on"]["rebalanced"]:
         print(f"  step {e['step']}: {e.get('detail')}")
+    for e in rows.get("slowed, standby", {}).get("evicted", []):
+        print(f"  standby run, step {e['step']}: {e['type']}: {e.get('detail')}")
     write_json({"machine": machine(), "rows": rows, "floor": floor, "args": vars(args)}, args.out)
     return 0
 

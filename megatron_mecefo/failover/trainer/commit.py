@@ -21,6 +21,7 @@ after a commit every member reads every pace (`last_paces`), the same on every m
 
 from __future__ import annotations
 
+import collections
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -84,6 +85,12 @@ class CommitVote:
         """This rank's last key of each per-vote kind (pace, fingerprint): deleted when it sets
         the next one, so the store does not grow with the steps. Every member has read it by
         then: each vote ends after its readers read."""
+        self._spent: collections.deque[list[str]] = collections.deque()
+        """The shared keys of each step this rank voted on since its last commit, per committed
+        step (decision, counters): the first member's rank deletes those of the commit two
+        commits back, which nobody reads any more (a member votes on step s + 1 only once every
+        member has read step s's decision)."""
+        self._voted: list[str] = []
 
     def vote(
         self,
@@ -109,6 +116,7 @@ class CommitVote:
         if pace is not None:
             self._post("pace", keys.pace(g, step, a, self.rank), repr(pace))
         dkey = keys.decision(g, step, a)
+        self._voted += [dkey, keys.vote(g, step, a), keys.anomalies(g, step, a)]
         latest = max(g, self.plane.latest_gen)
         verdict = None
         # the writer of the decision also decides a requested stop, so every member agrees on it
@@ -149,6 +157,7 @@ class CommitVote:
         committed, next_gen = kind == "commit", int(next_gen)
         if committed:
             self.attempt, self.committed_as = 0, (g, a)
+            self._sweep(m)
             if pace is not None:  # every member set its pace before it voted
                 ranks = [
                     r * self.replica_size + p for r in m.members for p in range(self.replica_size)
@@ -181,6 +190,18 @@ class CommitVote:
         elif not committed and not flags:  # the group saw an error: rebuild it
             self.pending = (g, f"pg/{g}/s{step}a{a}")
         return committed
+
+    def _sweep(self, m) -> None:
+        """A step committed: forget (delete, on the first member's first rank) the shared keys
+        of the commit two commits back (see `_spent`)."""
+        self._spent.append(self._voted)
+        self._voted = []
+        if len(self._spent) <= 2:
+            return
+        old = self._spent.popleft()
+        if self.rank == min(m.members) * self.replica_size:
+            for key in old:
+                self.plane.store.delete_key(key)
 
     def _post(self, kind: str, key: str, value: str) -> None:
         store = self.plane.store

@@ -244,3 +244,24 @@ def test_paces_ride_on_the_vote_and_each_rank_keeps_only_its_latest_keys(tp):
         if tp > 1:  # the store path keeps fingerprints in the store
             assert not store.check([keys.fingerprint(1, 3, 0, r)])
             assert store.check([keys.fingerprint(1, 4, 0, r)])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_step_s_shared_keys_are_deleted_two_commits_later(tp):
+    """The decision and counter keys of each step (and every attempt of it) go once nobody reads
+    them: the store holds the last two committed steps', however long the job runs."""
+    store, ranks = _setup(tp)
+    oks = [True] * len(ranks)
+    oks[-1] = False
+    _join(_vote(ranks, oks, step=2)[0])  # attempt 0 of step 2 fails: attempt 1 commits
+    for v in ranks:
+        v.pending = None  # the group is fine (a stand-in failure)
+    for step in range(2, 7):
+        threads, out = _vote(ranks, [True] * len(ranks), step=step)
+        _join(threads)
+        assert set(out.values()) == {True}, step
+    gone = [keys.decision(1, 2, 0), keys.decision(1, 2, 1), keys.decision(1, 4, 0)]
+    assert not any(store.check([k]) for k in gone)
+    assert store.check([keys.decision(1, 5, 0)]) and store.check([keys.decision(1, 6, 0)])
+    if tp > 1:  # the store path's counters too
+        assert not store.check([keys.vote(1, 4, 0)]) and store.check([keys.vote(1, 6, 0)])

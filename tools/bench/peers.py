@@ -152,8 +152,11 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _tail(path: Path, pos: tuple[int, int], now: float, out: list[dict]) -> tuple[int, int]:
-    """Append the new complete lines of `path` to `out`, each stamped `seen` = now. `pos`:
+def _tail(
+    path: Path, pos: tuple[int, int], now: float, out: list[dict], known: set[str]
+) -> tuple[int, int]:
+    """Append the new complete lines of `path` to `out`, each stamped `seen` = now (`known`: the
+    rows of `out` as read, kept beside it so that a poll does not rebuild it). `pos`:
     (inode, offset). A file replaced (a new inode: a run started over) or shrunk (in-job recovery
     keeps the rows before its state, rewriting the file in place) is read again from its start.
     A row already seen as it is is never added twice: it is kept history, not a step run again
@@ -168,12 +171,13 @@ def _tail(path: Path, pos: tuple[int, int], now: float, out: list[dict]) -> tupl
             chunk = fh.read()
     except FileNotFoundError:
         return pos
-    known = {json.dumps({k: v for k, v in r.items() if k != "seen"}) for r in out}
     lines = chunk.split("\n")
     for line in lines[:-1]:
         if line.strip():
             row = json.loads(line)
-            if json.dumps(row) not in known:
+            text = json.dumps(row)
+            if text not in known:
+                known.add(text)
                 out.append({**row, "seen": now})
     return st.st_ino, offset + len(chunk) - len(lines[-1])
 
@@ -189,6 +193,7 @@ def run_trainer(name: str, cmd: list[str], run_dir: Path, args, env: dict) -> di
     rows: list[dict] = []
     events: list[dict] = []
     offsets = [(0, 0), (0, 0)]
+    known: tuple[set[str], set[str]] = (set(), set())
     start = time.time()
     last_print = 0.0
     try:
@@ -196,8 +201,8 @@ def run_trainer(name: str, cmd: list[str], run_dir: Path, args, env: dict) -> di
         while True:
             done = proc.poll() is not None
             now = time.time()
-            offsets[0] = _tail(run_dir / "metrics.jsonl", offsets[0], now, rows)
-            offsets[1] = _tail(run_dir / "events.jsonl", offsets[1], now, events)
+            offsets[0] = _tail(run_dir / "metrics.jsonl", offsets[0], now, rows, known[0])
+            offsets[1] = _tail(run_dir / "events.jsonl", offsets[1], now, events, known[1])
             if done:
                 break
             if job.expired():

@@ -116,7 +116,9 @@ class CommitVote:
         if pace is not None:
             self._post("pace", keys.pace(g, step, a, self.rank), repr(pace))
         dkey = keys.decision(g, step, a)
-        self._voted += [dkey, keys.vote(g, step, a), keys.anomalies(g, step, a)]
+        self._voted.append(dkey)
+        if self.replica_size > 1:  # the store path's counters
+            self._voted += [keys.vote(g, step, a), keys.anomalies(g, step, a)]
         latest = max(g, self.plane.latest_gen)
         verdict = None
         # the writer of the decision also decides a requested stop, so every member agrees on it

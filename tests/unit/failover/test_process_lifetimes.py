@@ -25,10 +25,11 @@ _PARENT = textwrap.dedent(
     from megatron_mecefo.control.proc import forks_die_with_parent
     late = sys.argv[1] == "late"
     if late:
+        origin = os.getpid()  # the parent, known before the fork (not read in the child: a
+        # child that first runs after its parent died would wait out the deadline, 10 s)
         def wait_for_orphaning():
-            start = os.getppid()
             deadline = time.monotonic() + 10
-            while os.getppid() == start and time.monotonic() < deadline:
+            while os.getppid() == origin and time.monotonic() < deadline:
                 time.sleep(0.01)
         os.register_at_fork(after_in_child=wait_for_orphaning)
     forks_die_with_parent()

@@ -181,27 +181,18 @@ class Engine:
         compute_s = clock() - t_compute - self.reducer.comm_s
         self.last_compute_s = compute_s
         samples = sum(t.num_samples(tc.micro_batch_size) for t in plan.tasks)
-        self.anomaly.check_losses(
-            [float(o["loss"]) for o in outputs], units=samples / tc.micro_batch_size
-        )
+        task_losses = [float(o["loss"]) for o in outputs]  # none off the last pipeline stage
+        self.anomaly.check_losses(task_losses, units=samples / tc.micro_batch_size)
         judged = self._judged(plan, step)
         ordinary = judged and self._own(plan)
         self.anomaly.check_spikes(loss_ok=judged, grad_ok=ordinary)
         loss, global_samples = self._global_mean_loss(outputs)
         # a rank whose last parameter all-gather failed has stale parameters: never commit on them
         fresh = not getattr(self.optimizer, "stale", False)
-        b = tc.micro_batch_size
-        task_losses = (  # each task's mean: a slice's loss is its share of its micro-batch's
-            [float(o["loss"]) * b / t.num_samples(b) for o, t in zip(outputs, plan.tasks)]
-            if outputs
-            else None
-        )
         committed = self.membership.commit(
             step,
             self.membership.failed is None and fresh,
-            anomaly=self.anomaly.record(
-                [(t.source_dp_rank, t.micro_index) for t in plan.tasks], task_losses
-            ),
+            anomaly=self._anomaly_record(plan, task_losses),
             fingerprint=fp,
             intact=intact,
         )
@@ -329,6 +320,16 @@ class Engine:
         if not self.membership.all_reduce(total):
             return math.nan, 0
         return float(total[0] / max(float(total[1]) / mbs, 1.0)), int(total[1])
+
+    def _anomaly_record(self, plan: RankStepPlan, task_losses: list[float]) -> str | None:
+        """What this rank flagged in this attempt, with the tasks it ran and each one's mean loss
+        (a slice's loss is its share of its micro-batch's), for the vote; None when nothing
+        was flagged (the common case costs nothing)."""
+        if self.anomaly.reason is None:
+            return None
+        b = self.cfg.training.micro_batch_size
+        means = [x * b / t.num_samples(b) for x, t in zip(task_losses, plan.tasks)] or None
+        return self.anomaly.record([(t.source_dp_rank, t.micro_index) for t in plan.tasks], means)
 
     @torch.no_grad()
     def forward_check(self, step: int, pairs: list[tuple[int, int]]) -> list[float] | None:

@@ -205,7 +205,7 @@ def run_demo_nodes(
     train_args = demo_job_args(steps, run_dir, demo_dir, *extra)
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    start, procs = time.monotonic(), []
+    start, procs, logs = time.monotonic(), [], []
     for node in range(nnodes + standby):
         where = (
             ["--coordinator-port", str(port)]
@@ -216,18 +216,22 @@ def run_demo_nodes(
             train_args, nproc_per_node=nproc, nnodes=nnodes, node_rank=node,
             flags=[*where, *(["--standby"] if node >= nnodes else [])],
         )  # fmt: skip
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+        logs.append(Path(f"{run_dir}.node{node}.log"))  # a file: an unread pipe fills and blocks
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log))
         if node == 0:
             time.sleep(1.0)  # the store first
-    outs = [p.communicate(timeout=900)[0] for p in procs]
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(1.0, 900 - (time.monotonic() - start)))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
     if procs[0].returncode != 0:
-        sys.exit(f"error: the {nnodes}-node job failed ({procs[0].returncode}):\n{outs[0][-3000:]}")
-    return {
-        "wall_s": time.monotonic() - start,
-        "metrics": read_jsonl(run_dir / "metrics.jsonl"),
-        "events": read_jsonl(run_dir / "events.jsonl"),
-        "summary": json.loads((run_dir / "summary.json").read_text()),
-    }
+        tail = logs[0].read_text(errors="replace")[-3000:]
+        sys.exit(f"error: the {nnodes}-node job failed ({procs[0].returncode}):\n{tail}")
+    return _read_run(run_dir, start)
 
 
 def torchrun_command(nproc: int, entry: list[str], restarts: int = 0) -> list[str]:
@@ -258,6 +262,11 @@ def run_job(cmd: list[str], run_dir: Path, timeout_s: float = 900, what: str = "
             f"error: {what} run failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
             f"{proc.stderr[-3000:]}"
         )
+    return _read_run(run_dir, start)
+
+
+def _read_run(run_dir: Path, start: float) -> dict:
+    """A finished job's run directory: wall time since `start`, metrics, events, summary."""
     return {
         "wall_s": time.monotonic() - start,
         "metrics": read_jsonl(run_dir / "metrics.jsonl"),

@@ -21,9 +21,8 @@ after a commit every member reads every pace (`last_paces`), the same on every m
 
 from __future__ import annotations
 
-import collections
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 import torch
@@ -85,7 +84,7 @@ class CommitVote:
         """This rank's last key of each per-vote kind (pace, fingerprint): deleted when it sets
         the next one, so the store does not grow with the steps. Every member has read it by
         then: each vote ends after its readers read."""
-        self._spent: collections.deque[list[str]] = collections.deque()
+        self._spent: deque[list[str]] = deque()
         """The shared keys of each step this rank voted on since its last commit, per committed
         step (decision, counters): the first member's rank deletes those of the commit two
         commits back, which nobody reads any more (a member votes on step s + 1 only once every

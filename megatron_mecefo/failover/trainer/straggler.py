@@ -79,7 +79,7 @@ class StragglerWatch:
         if generation != self.generation:
             if self.speeds is not None or self.generation is not None:
                 self.window.clear()
-            self.speeds, self.generation = None, generation
+            self.speeds, self.generation, self.too_slow = None, generation, {}
 
     def judge(self, paces: dict[int, float], members) -> bool:
         """Paces (global rank -> seconds) read after a committed vote: set `speeds`; True when
@@ -96,17 +96,17 @@ class StragglerWatch:
             return False
         was = {r: (self.speeds or {}).get(r, 1.0) for r in members}
         weights = dict(was)
-        healthy = [p for r, p in known.items() if was[r] == 1.0]
         for r, p in known.items():
+            # the healthy replicas' median pace, r excluded (a straggler is not healthy itself)
             others = [x for q, x in known.items() if q != r and was[q] == 1.0]
-            per_sample = p / was[r] / statistics.median(others) if others else 0.0
-            if self.cfg.evict_factor and per_sample >= self.cfg.evict_factor:
-                self.too_slow[r] = round(per_sample, 2)
+            ref = statistics.median(others) if others else None
+            if ref and self.cfg.evict_factor and p / was[r] / ref >= self.cfg.evict_factor:
+                self.too_slow[r] = round(p / was[r] / ref, 2)  # per sample: pace over weight
             if was[r] == 1.0:  # a new straggler: slower than the others by `factor`
-                if others and p >= self.cfg.factor * statistics.median(others):
-                    weights[r] = max(MIN_WEIGHT, round(statistics.median(others) / p, 2))
+                if ref and p >= self.cfg.factor * ref:
+                    weights[r] = max(MIN_WEIGHT, round(ref / p, 2))
             else:  # a straggler's weight follows its pace until its time is the others'
-                ref = statistics.median(healthy) if healthy else p
+                ref = ref or p
                 # down once it is slower than the band; up only once it is faster by `factor`:
                 # a little faster costs the job nothing, and work comes in whole samples
                 if p / ref >= self.band or p / ref <= 1 / self.cfg.factor:

@@ -157,18 +157,22 @@ class AnomalyGuard:
         if grad_ok:
             self.grad_norm.accept(norm)
 
-    def record(self, tasks=None, losses=None) -> str | None:
+    def record(self, tasks, losses) -> str | None:
         """What this rank found, for the commit vote and the rerun (JSON), or None. `tasks`: the
         (source replica, micro-batch) of each task it ran; `losses`: each task's mean loss (None
         off the last pipeline stage). The rerun judges and skips those tasks, wherever their data
         came from (a straggler's share, a dead replica's)."""
         if self.reason is None:
             return None
-        rec = {"what": self.reason, "kind": self.kind, "limit": self.limit}
-        if tasks is not None:
-            rec["tasks"] = [list(t) for t in tasks]
-            rec["losses"] = losses
-        return json.dumps(rec)
+        return json.dumps(
+            {
+                "what": self.reason,
+                "kind": self.kind,
+                "limit": self.limit,
+                "tasks": [list(t) for t in tasks],
+                "losses": losses,
+            }
+        )
 
     def peaks(self) -> dict[str, Any]:
         """How close this rank's committed steps came to the spike limits (summary.json's

@@ -166,10 +166,7 @@ class AnomalyRerun:
                 self.pending[step].remove(r)
             check = self.seen[(step, r)]
             record = self._record(g, step, a, r)
-            m = engine.cfg.training.num_microbatches
-            ran = list(dict.fromkeys(tuple(t) for t in record.get("tasks", ()))) or [
-                (r, i) for i in range(m)
-            ]
+            ran = list(dict.fromkeys(tuple(t) for t in record["tasks"]))  # slices: one each
             if healthy:
                 losses = self._peer_check(engine, step, r, healthy[0], check, ran)
                 again_there, at_fault = reproduced(record, losses)
@@ -278,7 +275,7 @@ def unchecked_faults(record: dict, ran: list[tuple[int, int]]) -> list[tuple[int
     suspect's `record` is non-finite or over a loss spike's limit; all of `ran` when its losses
     cannot tell (a gradient fault, a record without losses)."""
     losses, limit = record.get("losses"), record.get("limit")
-    if not losses or record["kind"] == "grad" or len(losses) != len(record.get("tasks", ())):
+    if not losses or record["kind"] == "grad" or len(losses) != len(record["tasks"]):
         return ran
     over = {
         tuple(t)

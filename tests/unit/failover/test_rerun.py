@@ -91,6 +91,8 @@ SPIKE = {
     "what": "loss spike 310 > 3 x median 6.2 of the last 20 steps",
     "kind": "loss",
     "limit": 18.6,
+    "tasks": [[1, 0], [1, 1]],  # replica 1's own
+    "losses": [6.2, 310.0],
 }
 
 
@@ -119,7 +121,7 @@ def test_a_spike_that_reproduces_on_a_healthy_peer_is_bad_data_and_skipped():
         [[1, 1]],
         [12, 13, 14, 15],
     )
-    assert engine.asked == [[(1, 0), (1, 1)]]  # a record without tasks: the suspect's own
+    assert engine.asked == [[(1, 0), (1, 1)]]  # what the suspect's record names
     assert data["detail"].startswith("loss spike 310")
 
 

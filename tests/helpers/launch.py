@@ -138,12 +138,14 @@ STEP_BOUND = 400
 """The step count of a job stopped on request: a bound it never reaches."""
 
 
-def _until_rejoined(steps: int, overrides: tuple[str, ...], while_running):
+def _until_rejoined(
+    steps: int, overrides: tuple[str, ...], while_running, *, standby: bool = False
+):
     """Run at least `steps` steps and until every rank that failed has rejoined, then stop on
     request (SIGUSR1; exit PREEMPTED): a rejoin is never raced by the job's last step, however
     fast the machine. The learning rate follows a `steps`-step schedule (`lr_decay_steps`, when
     `steps` covers the warmup) and the demo corpus is one epoch either way, so the first `steps`
-    steps are those of a plain `steps`-step job."""
+    steps are those of a plain `steps`-step job. `standby`: see `stop_after_rejoins`."""
     import yaml
 
     warmup = yaml.safe_load(CONFIG.read_text())["training"]["warmup_steps"]
@@ -155,7 +157,7 @@ def _until_rejoined(steps: int, overrides: tuple[str, ...], while_running):
         if while_running is not None:
             while_running(proc, run_dir)
         head = proc[0] if isinstance(proc, list) else proc
-        stop_after_rejoins(head, run_dir, min_steps=steps)
+        stop_after_rejoins(head, run_dir, min_steps=steps, standby=standby)
 
     return STEP_BOUND, overrides, run_then_stop
 
@@ -229,24 +231,38 @@ def _events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
 
 
-def stop_after_rejoins(proc, run_dir: Path, *, min_steps: int, limit_s: float = 180) -> None:
+def stop_after_rejoins(
+    proc, run_dir: Path, *, min_steps: int, standby: bool = False, limit_s: float = 180
+) -> None:
     """Once `min_steps` steps are logged, a rank has failed and every rank that failed has
-    rejoined since (a `rejoin` event after its last `failure`), and three more steps are logged,
-    ask the job to stop (SIGUSR1 to `proc`). Returns at once if the job exits first (the test's
-    assertions then say why)."""
+    rejoined since (a `rejoin` event after its last `failure`), every node given to a standby is
+    back at full strength (a `node_replaced` event after its straggler `evicted`, or with
+    `standby` after its `node_lost`), and three more steps are logged, ask the job to stop (SIGUSR1 to `proc`). Returns at once if
+    the job exits first (the test's assertions then say why)."""
     deadline = time.monotonic() + limit_s
     while proc.poll() is None:
         pending: set[int] = set()
+        handed: set[tuple[int, ...]] = set()  # the ranks of nodes given to a standby
         failed = False
         for event in _events(run_dir):
+            ranks = tuple(event.get("ranks") or ())
             if event["type"] == "failure":
                 failed = True
-                pending |= set(event.get("ranks") or [])
+                pending |= set(ranks)
             elif event["type"] == "rejoin":
-                pending -= set(event.get("ranks") or [])
-        if failed and not pending and logged_steps(run_dir) >= min_steps:
+                pending -= set(ranks)
+            elif event["type"] == "evicted" and "given to standby" in event.get("detail", ""):
+                handed.add(ranks)
+            elif event["type"] == "node_lost" and standby:
+                handed.add(ranks)
+            elif event["type"] == "node_replaced":
+                handed.discard(ranks)
+        if failed and not pending and not handed and logged_steps(run_dir) >= min_steps:
             break
-        assert time.monotonic() < deadline, f"failed ranks {sorted(pending)} never rejoined"
+        assert time.monotonic() < deadline, (
+            f"failed ranks {sorted(pending)} never rejoined, or nodes {sorted(handed)} "
+            "given to a standby never came back at full strength"
+        )
         time.sleep(0.05)
     else:
         return
@@ -298,7 +314,9 @@ def launch_nodes(
     `until_rejoined`: see `_until_rejoined` (the stop goes to node 0's agent)."""
     run_dir = tmp_path / name
     if until_rejoined:
-        steps, overrides, while_running = _until_rejoined(steps, overrides, while_running)
+        steps, overrides, while_running = _until_rejoined(
+            steps, overrides, while_running, standby=standby > 0
+        )
     port = free_port()
     trainer = trainer_args(run_dir, demo_data_dir, steps, inject, overrides)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}

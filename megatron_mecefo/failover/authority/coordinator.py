@@ -230,15 +230,17 @@ class Coordinator:
         """Every rank of a replaced node (`at_loss`: rank -> incarnation lost) is a member again
         in a newer incarnation, and trains: its progress shows that incarnation past the job step
         it was admitted at (admission comes a state transfer and a step before any work)."""
-        for r, inc in at_loss.items():
+        trains = True
+        for r, inc in at_loss.items():  # every rank's admission noted, not only up to the first
             st = self.ranks[r]
             p_inc, p_step, phase = parse_progress(st.progress)
             if r // self.replica_size not in self.members or st.incarnation <= inc:
-                return False
+                trains = False
+                continue
             admitted = self._admitted_at.setdefault((r, st.incarnation), self.job_step)
             if p_inc != st.incarnation or phase == "idle" or p_step <= admitted:
-                return False
-        return True
+                trains = False
+        return trains
 
     def _maybe_form_first_generation(self, now: float) -> None:
         if len(self.detector.registered()) == self.world and self.replica_size is not None:

@@ -1,12 +1,17 @@
-"""Run `mecefo-train` on the tiny demo config as a user would (one process, or N ranks through
-launch/local/run.sh under plain torchrun), with a hard timeout; parse its metrics."""
+"""Run `mecefo-train` on the tiny demo config (one process forked from a pre-imported server,
+or N ranks through launch/local/run.sh under plain torchrun), with a hard timeout; parse its
+metrics."""
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,15 +34,81 @@ def demo_args(run_dir, demo_dir, steps, *extra) -> list[str]:
 
 
 def run_train(run_dir, demo_dir, steps, *extra, nproc=1, timeout_s=300):
-    """`mecefo-train` for `steps` steps; returns the CompletedProcess (output captured)."""
+    """`mecefo-train` for `steps` steps; returns the CompletedProcess (output captured). One
+    process is forked from this test process's train server (`train_server.py`)."""
     args = demo_args(run_dir, demo_dir, steps, *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable)
     if nproc == 1:
-        cmd = [sys.executable, "-m", "megatron_mecefo.train", *args]
-    else:
-        env.update(NPROC=str(nproc), MECEFO_LAUNCHER="torchrun")
-        cmd = ["bash", "launch/local/run.sh", *args]
+        return _served_run(args, env, timeout_s)
+    env.update(NPROC=str(nproc), MECEFO_LAUNCHER="torchrun")
+    cmd = ["bash", "launch/local/run.sh", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+
+
+class _TrainServer:
+    """`train_server.py` in a child of this process; one order at a time."""
+
+    START_LIMIT_S = 180.0
+
+    def __init__(self):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.train_server"],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        self._buf = b""
+        ready = self.read(time.monotonic() + self.START_LIMIT_S)
+        assert ready is not None and ready["ready"], f"the train server did not start: {ready}"
+
+    def read(self, deadline: float) -> dict | None:
+        """The next reply line, or None at the deadline (or if the server died)."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def order(self, record: dict) -> None:
+        self.proc.stdin.write((json.dumps(record) + "\n").encode())
+        self.proc.stdin.flush()
+
+
+_server: _TrainServer | None = None
+
+
+def _served_run(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
+    """`python -m megatron_mecefo.train ARGS` as a fork of the train server: the same exit code,
+    stdout and stderr; on timeout its session is SIGKILLed and TimeoutExpired raised, as
+    `subprocess.run` does."""
+    global _server
+    if _server is None or _server.proc.poll() is not None:
+        _server = _TrainServer()
+    cmd = [sys.executable, "-m", "megatron_mecefo.train", *args]
+    with tempfile.TemporaryDirectory(prefix="mecefo-run-") as tmp:
+        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+        order = {"args": args, "env": env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
+        _server.order(order)
+        deadline = time.monotonic() + timeout_s
+        started = _server.read(deadline)
+        assert started is not None, "the train server did not fork the run"
+        done = _server.read(deadline)
+        if done is None:
+            try:
+                os.killpg(started["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            _server.read(time.monotonic() + 30)
+            raise subprocess.TimeoutExpired(cmd, timeout_s, out.read_text(), err.read_text())
+        return subprocess.CompletedProcess(cmd, done["code"], out.read_text(), err.read_text())
 
 
 def metric_rows(run_dir) -> list[dict]:

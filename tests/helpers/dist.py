@@ -44,6 +44,19 @@ def _worker(fn, rank, world_size, port, env, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
+_PRELOAD = ["tests.helpers.preloaded"]
+
+
+def _context():
+    """multiprocessing's forkserver, its server preloaded with torch and megatron-core
+    (`preloaded.py`, which refuses to load where a fork would be unsafe): each rank is a fork of
+    it, a fresh interpreter's state without the 4-8 s of imports (`test_fork_server.py` shows a
+    forked trainer equals a fresh one bit for bit; the golden losses of `test_training.py` too)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -51,11 +64,11 @@ def run_distributed(
     timeout_s: float = 180,
     env: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Call `fn(rank, *args)` in `world_size` spawned processes; return results ordered by rank.
+    """Call `fn(rank, *args)` in `world_size` forked processes; return results ordered by rank.
 
     Raises AssertionError with the failing rank's traceback, or on timeout (children are killed).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     queue = ctx.Queue()
     port = free_port()
     base_env = {"OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}

@@ -237,8 +237,9 @@ def stop_after_rejoins(
     """Once `min_steps` steps are logged, a rank has failed and every rank that failed has
     rejoined since (a `rejoin` event after its last `failure`), every node given to a standby is
     back at full strength (a `node_replaced` event after its straggler `evicted`, or with
-    `standby` after its `node_lost`), and three more steps are logged, ask the job to stop (SIGUSR1 to `proc`). Returns at once if
-    the job exits first (the test's assertions then say why)."""
+    `standby` after its `node_lost`), and three more steps are logged, ask the job to stop
+    (SIGUSR1 to `proc`). Returns at once if the job exits first (the test's assertions then say
+    why)."""
     deadline = time.monotonic() + limit_s
     while proc.poll() is None:
         pending: set[int] = set()

@@ -1,6 +1,5 @@
-"""Run `mecefo-train` on the tiny demo config (one process forked from a pre-imported server,
-or N ranks through launch/local/run.sh under plain torchrun), with a hard timeout; parse its
-metrics."""
+"""Run `mecefo-train` on the tiny demo config (one process or N ranks, forked from a pre-imported
+server), with a hard timeout; parse its metrics."""
 
 from __future__ import annotations
 
@@ -34,15 +33,12 @@ def demo_args(run_dir, demo_dir, steps, *extra) -> list[str]:
 
 
 def run_train(run_dir, demo_dir, steps, *extra, nproc=1, timeout_s=300):
-    """`mecefo-train` for `steps` steps; returns the CompletedProcess (output captured). One
-    process is forked from this test process's train server (`train_server.py`)."""
+    """`mecefo-train` for `steps` steps in `nproc` ranks forked from this test process's train
+    server (`train_server.py`: the env:// rendezvous torchrun sets up, no launcher); returns a
+    CompletedProcess whose stdout and stderr are the ranks', in rank order."""
     args = demo_args(run_dir, demo_dir, steps, *extra)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHON=sys.executable)
-    if nproc == 1:
-        return _served_run(args, env, timeout_s)
-    env.update(NPROC=str(nproc), MECEFO_LAUNCHER="torchrun")
-    cmd = ["bash", "launch/local/run.sh", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
+    return _served_run(args, env, nproc, timeout_s)
 
 
 class _TrainServer:
@@ -85,30 +81,37 @@ class _TrainServer:
 _server: _TrainServer | None = None
 
 
-def _served_run(args: list[str], env: dict, timeout_s: float) -> subprocess.CompletedProcess:
-    """`python -m megatron_mecefo.train ARGS` as a fork of the train server: the same exit code,
-    stdout and stderr; on timeout its session is SIGKILLed and TimeoutExpired raised, as
-    `subprocess.run` does."""
+def _served_run(
+    args: list[str], env: dict, world: int, timeout_s: float
+) -> subprocess.CompletedProcess:
+    """`python -m megatron_mecefo.train ARGS` in `world` ranks forked by the train server: the
+    exit code as torchrun gives it, the ranks' stdout and stderr; on timeout their sessions are
+    SIGKILLed and TimeoutExpired raised, as `subprocess.run` does."""
     global _server
     if _server is None or _server.proc.poll() is not None:
         _server = _TrainServer()
     cmd = [sys.executable, "-m", "megatron_mecefo.train", *args]
     with tempfile.TemporaryDirectory(prefix="mecefo-run-") as tmp:
-        out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-        order = {"args": args, "env": env, "cwd": str(ROOT), "stdout": str(out), "stderr": str(err)}
-        _server.order(order)
+        out = Path(tmp) / "rank"
+
+        def read(kind: str) -> str:
+            paths = [Path(f"{out}.{r}.{kind}") for r in range(world)]
+            return "".join(p.read_text() for p in paths if p.exists())
+
+        _server.order({"args": args, "env": env, "cwd": str(ROOT), "out": str(out), "world": world})
         deadline = time.monotonic() + timeout_s
         started = _server.read(deadline)
         assert started is not None, "the train server did not fork the run"
         done = _server.read(deadline)
         if done is None:
-            try:
-                os.killpg(started["pid"], signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            for pid in started["pids"]:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             _server.read(time.monotonic() + 30)
-            raise subprocess.TimeoutExpired(cmd, timeout_s, out.read_text(), err.read_text())
-        return subprocess.CompletedProcess(cmd, done["code"], out.read_text(), err.read_text())
+            raise subprocess.TimeoutExpired(cmd, timeout_s, read("stdout"), read("stderr"))
+        return subprocess.CompletedProcess(cmd, done["code"], read("stdout"), read("stderr"))
 
 
 def metric_rows(run_dir) -> list[dict]:

@@ -7,8 +7,12 @@ shows a forked trainer equals a fresh one bit for bit. The CLI's own tests (`tes
 still start `python -m megatron_mecefo.train`.
 
 Protocol, one JSON line each way: the server says {"ready"} once; per order {"args", "env",
-"cwd", "stdout", "stderr"} (file paths) it forks the run in its own session, answers {"pid"},
-waits for it and answers {"code"} (negative: killed by that signal, as `subprocess` says).
+"cwd", "out", "world"} it forks `world` ranks, each in its own session with torchrun's variables
+(RANK, WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT: the env:// rendezvous) and its stdout and
+stderr in `<out>.<rank>.stdout|stderr`, answers {"pids"}, waits for them and answers {"code"}: as
+torchrun, 0 when every rank exited 0, else the first failure's (negative: killed by that signal,
+as `subprocess` says) once the other ranks were SIGKILLed. The launchers themselves (torchrun,
+mecefo-launch, run.sh) are tested in `tests/e2e/test_cli.py`, `test_peers.py` and `tests/dist`.
 """
 
 from __future__ import annotations
@@ -28,19 +32,29 @@ def _say(record: dict) -> None:
     sys.stdout.flush()
 
 
-def _become_the_run(order: dict) -> int:
+def _become_the_rank(order: dict, rank: int, port: int) -> int:
     """In the forked child: its own session, its files on fds 0-2, its environment, then
     `mecefo-train`'s main; the return value is the exit code (`sys.exit` in `__main__`)."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the orders pipe is the server's
-    for fd, path in ((1, order["stdout"]), (2, order["stderr"])):
-        out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd, kind in ((1, "stdout"), (2, "stderr")):
+        out = os.open(f"{order['out']}.{rank}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
         os.close(out)
     os.chdir(order["cwd"])
     os.environ.clear()
     os.environ.update(order["env"])
+    world = order["world"]
+    if world > 1:
+        os.environ.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     from megatron_mecefo import train
 
     sys.argv = [train.__file__, *order["args"]]
@@ -59,13 +73,45 @@ def serve() -> int:
         if not line.strip():
             continue
         order = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            return _become_the_run(order)
-        _say({"pid": pid})
-        _, status = os.waitpid(pid, 0)
-        _say({"code": os.waitstatus_to_exitcode(status)})
+        port = _free_port()
+        pids = []
+        for rank in range(order["world"]):
+            pid = os.fork()
+            if pid == 0:
+                return _become_the_rank(order, rank, port)
+            pids.append(pid)
+        _say({"pids": pids})
+        _say({"code": _wait_all(pids)})
     return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_all(pids: list[int]) -> int:
+    """0 when every rank exits 0; else the first failure's code, the others SIGKILLed."""
+    import signal
+
+    left, first = set(pids), 0
+    while left:
+        pid, status = os.waitpid(-1, 0)
+        if pid not in left:
+            continue
+        left.discard(pid)
+        code = os.waitstatus_to_exitcode(status)
+        if code != 0 and first == 0:
+            first = code
+            for other in left:
+                try:
+                    os.killpg(other, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    return first
 
 
 if __name__ == "__main__":

@@ -51,18 +51,8 @@ def pytest_runtest_setup(item):
     check_marks(item)
 
 
-SHARED_REFERENCES = ("failure_free", "reference", "rejoin_after_e0", "single", "straight")
-"""Module-scoped fixtures that train a reference run (10-20 s each in CI). Under pytest-xdist a
-module fixture is built once per worker that runs one of its tests: the clean-clone CI built
-six of them twice (about 65 s of work). The tests of a module that use one of them share an
-`xdist_group`, so one worker runs them all and builds it once."""
-
-
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        used = sorted(
-            name for name in SHARED_REFERENCES if name in defs and defs[name][-1].scope == "module"
-        )
-        if used and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}::{used[0]}"))
+    from tests.helpers.xdist_groups import group_shared_references
+
+    group_shared_references(items)

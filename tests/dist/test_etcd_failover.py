@@ -52,7 +52,7 @@ def _leader_pid(cluster, job: str) -> int:
 
 
 def test_etcd_leader_killed_mid_run(tmp_path, demo_data_dir, cluster):
-    steps = 36
+    steps = 20
     killed = []
 
     def kill_etcd_leader(proc, run_dir):
@@ -76,7 +76,7 @@ def test_etcd_leader_killed_mid_run(tmp_path, demo_data_dir, cluster):
 
 
 def test_coordinator_killed_twice(tmp_path, demo_data_dir, cluster):
-    steps = 40
+    steps = 22
     job = "coord-kill"
 
     def kill_coordinator_twice(proc, run_dir):

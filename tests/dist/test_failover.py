@@ -154,7 +154,7 @@ def test_sigkill_spread_equals_failure_free_and_rejoins(
 
 
 def test_sigstop_hang_neighbor_takeover(tmp_path, demo_data_dir):
-    steps = 30
+    steps = 16
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -174,7 +174,7 @@ def test_sigstop_hang_neighbor_takeover(tmp_path, demo_data_dir):
 
 
 def test_stalled_step_detected_by_hang_timeout(tmp_path, demo_data_dir):
-    steps = 30
+    steps = 16
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -198,7 +198,7 @@ def test_stalled_step_detected_by_hang_timeout(tmp_path, demo_data_dir):
 
 
 def test_exception_then_two_simultaneous_kills_hybrid(tmp_path, demo_data_dir):
-    steps = 36
+    steps = 20
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -228,7 +228,7 @@ def test_exception_then_two_simultaneous_kills_hybrid(tmp_path, demo_data_dir):
 
 
 def test_covering_rank_fails(tmp_path, demo_data_dir):
-    steps = 30
+    steps = 16
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -244,7 +244,7 @@ def test_covering_rank_fails(tmp_path, demo_data_dir):
 
 
 def test_source_dies_during_rejoin(tmp_path, demo_data_dir):
-    steps = 30
+    steps = 16
     res = launch(
         tmp_path,
         demo_data_dir,
@@ -261,7 +261,7 @@ def test_source_dies_during_rejoin(tmp_path, demo_data_dir):
 
 
 def test_tp2_replica_losing_one_rank_rejoins_whole(tmp_path, demo_data_dir):
-    steps = 30
+    steps = 16
     res = launch(
         tmp_path,
         demo_data_dir,

@@ -232,7 +232,7 @@ def test_summary_is_job_wide_after_the_leader_dies(tmp_path, demo_data_dir):
     with metrics.jsonl and events.jsonl."""
     from megatron_mecefo.metrics.summary import check_summary
 
-    steps = 30
+    steps = 16
     res = launch(
         tmp_path, demo_data_dir, nproc=3, steps=steps, inject=("kill:0:6:3",), until_rejoined=True
     )

@@ -4,6 +4,8 @@ behind `anomaly.loss_spike_factor` and `anomaly.grad_spike_factor` (issue 35,
 
     python tools/bench/spike_threshold.py                       # CPU: 3 runs of 1000 steps
     python tools/bench/spike_threshold.py --runs tiny:8:2:1234 --steps 300
+    python tools/bench/spike_threshold.py --trace tests/data/failure_free_spikes.json
+
 
 Each run (`MODEL:MICRO_BATCH_SIZE:MICROBATCHES:SEED`) trains the demo job's configuration in one
 process (world 1, the real `Engine.train_step`, the demo's learning-rate schedule) with the
@@ -11,7 +13,10 @@ checks on, so one rank's statistics are exactly what a data-parallel rank with t
 micro-batches sees. After each step it records the step's mean loss and local gradient norm
 over the median of the previous `anomaly.spike_window` steps, as `AnomalyGuard` judges them.
 Prints, per run, the largest ratio of each and where it happened, the 99.9th percentile, and
-the margin of the default factor over the largest; writes JSON.
+the margin of the default factor over the largest; writes JSON. `--trace` also writes each run's
+per-step statistics (the loss and gradient norm each step was judged on), which
+`tests/unit/training/test_false_alarms.py` replays through `AnomalyGuard`: the issue's "1,000
+failure-free steps, zero false alarms" as a suite test that costs no training.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--demo-dir", default=".cache/demo_data")
     p.add_argument("--out", default="bench_out/spike_threshold.json")
+    p.add_argument("--trace", default=None, help="also write each step's statistics here (JSON)")
     return p.parse_args(argv)
 
 
@@ -52,13 +58,15 @@ def measure(spec: str, args, ctx) -> dict:
         overrides=[f"training.seed={seed}"],
     )
     guard = engine.anomaly
-    series = []
+    series, trace = [], {"loss": [], "grad_norm": []}
     for step in range(args.steps):
         before = (guard.loss.median(), guard.grad_norm.median())
         result = engine.train_step(step)
         if not result.committed or guard.reason is not None:  # a false alarm: report it
             series.append({"step": step, "alarm": guard.reason})
             continue
+        for name, window in (("loss", guard.loss), ("grad_norm", guard.grad_norm)):
+            trace[name].append(float(f"{window.values[-1]:.7g}"))  # judged on, then accepted
         row = {"step": step}
         for name, window, med in (
             ("loss", guard.loss, before[0]),
@@ -70,7 +78,7 @@ def measure(spec: str, args, ctx) -> dict:
         if step % 200 == 0:
             print(f"[bench] {spec}: step {step}", file=sys.stderr, flush=True)
     alarms = [r for r in series if "alarm" in r]
-    out = {"run": spec, "steps": args.steps, "alarms": alarms}
+    out = {"run": spec, "steps": args.steps, "alarms": alarms, "trace": trace}
     for name in ("loss", "grad"):
         rows = [r for r in series if name in r]
         top = max(rows, key=lambda r: r[name])
@@ -113,6 +121,15 @@ def main(argv=None) -> int:
                 f"{s['p999']:>8.3f}{factors[name]:>9g}{factors[name] / s['peak']:>7.1f}x"
                 f"{len(r['alarms']):>8}"
             )
+    traces = [{"run": r["run"], **r.pop("trace")} for r in results]
+    if args.trace:
+        doc = {
+            "what": "per-step loss and local gradient norm of failure-free runs, as judged",
+            "command": "python tools/bench/spike_threshold.py --trace " + args.trace,
+            "machine": machine(),
+            "runs": traces,
+        }
+        write_json(doc, args.trace, indent=None)
     write_json(
         {
             "machine": machine(),

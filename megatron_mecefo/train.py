@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         if unchecked is not None:
             print(f"note: {unchecked}", file=sys.stderr, flush=True)
         return ExitCode.OK
-    world = world_size_from_env(cfg)
+    # a process without WORLD_SIZE runs alone (`mcore.parallel`: world 1), whatever TP x PP says
+    world = world_size_from_env(cfg) if "WORLD_SIZE" in os.environ else 1
     dp_size(cfg, world)  # a user's mistake in a second, before torch and megatron are imported
     check_paths(cfg.data)
     cfg = resolve_global_batch(cfg, world)  # fixed global batch, if set

@@ -20,9 +20,10 @@ def _env(**extra):
     return env
 
 
-def _train(args, timeout=240, **env):
+def _train(args, timeout=240, python_flags=(), **env):
     cmd = [
         sys.executable,
+        *python_flags,
         "-m",
         "megatron_mecefo.train",
         "--config",
@@ -93,22 +94,35 @@ def test_unknown_key(tmp_path):
     _assert_clean_error(proc, 2, "unknown config key 'training.bogus'", tmp_path / "r")
 
 
+def _without_importtime(proc):
+    """`proc` with `-X importtime`'s lines taken out of its stderr, and the modules it imported."""
+    lines = proc.stderr.splitlines()
+    timed = [ln for ln in lines if ln.startswith("import time:")]
+    proc.stderr = "\n".join(ln for ln in lines if not ln.startswith("import time:"))
+    return proc, {ln.rsplit("|", 1)[-1].strip() for ln in timed}
+
+
 @pytest.mark.timeout(120)
 def test_missing_data_path(tmp_path, demo_dir):
-    proc = _train(
-        [
-            f"--run-dir={tmp_path / 'r'}",
-            f"data.path={tmp_path / 'nope' / 'corpus'}",
-            f"data.tokenizer_model={demo_dir}/tokenizer.model",
-        ]
-    )
+    """The data files are checked before torch and megatron are imported (4-8 s saved on a
+    mistake): the process that reports it never imports torch."""
+    args = [
+        f"--run-dir={tmp_path / 'r'}",
+        f"data.path={tmp_path / 'nope' / 'corpus'}",
+        f"data.tokenizer_model={demo_dir}/tokenizer.model",
+    ]
+    proc, imported = _without_importtime(_train(args, python_flags=("-X", "importtime")))
     _assert_clean_error(proc, 3, "nope", tmp_path / "r")
+    assert "megatron_mecefo" in imported and "torch" not in imported, sorted(imported)
 
 
 @pytest.mark.timeout(120)
 def test_world_not_divisible_by_tp(tmp_path):
-    proc = _train([f"--run-dir={tmp_path / 'r'}", "parallel.tensor_model_parallel_size=2"])
+    """The layout too is checked before torch is imported."""
+    args = [f"--run-dir={tmp_path / 'r'}", "parallel.tensor_model_parallel_size=2"]
+    proc, imported = _without_importtime(_train(args, python_flags=("-X", "importtime")))
     _assert_clean_error(proc, 4, "not divisible by TP x PP", tmp_path / "r")
+    assert "megatron_mecefo" in imported and "torch" not in imported, sorted(imported)
 
 
 @pytest.mark.timeout(120)

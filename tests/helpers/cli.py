@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from tests.helpers.train_server import kill_sessions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,11 +105,7 @@ def _served_run(
         assert started is not None, "the train server did not fork the run"
         done = _server.read(deadline)
         if done is None:
-            for pid in started["pids"]:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_sessions(started["pids"])
             _server.read(time.monotonic() + 30)
             raise subprocess.TimeoutExpired(cmd, timeout_s, read("stdout"), read("stderr"))
         return subprocess.CompletedProcess(cmd, done["code"], read("stdout"), read("stderr"))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_mecefo.failover.node.agent_cli import launch_command
+from tests.helpers.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
@@ -281,14 +282,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_nodes(

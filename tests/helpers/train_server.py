@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+
+from tests.helpers.dist import free_port
 
 if __name__ == "__mp_main__":  # re-imported in a multiprocessing spawn child of a run
     from megatron_mecefo.control.proc import die_with_parent
@@ -73,7 +76,7 @@ def serve() -> int:
         if not line.strip():
             continue
         order = json.loads(line)
-        port = _free_port()
+        port = free_port()
         pids = []
         for rank in range(order["world"]):
             pid = os.fork()
@@ -85,18 +88,17 @@ def serve() -> int:
     return 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def kill_sessions(pids) -> None:
+    """SIGKILL the session of each rank in `pids` (a rank and whatever it started), if alive."""
+    for pid in pids:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def _wait_all(pids: list[int]) -> int:
     """0 when every rank exits 0; else the first failure's code, the others SIGKILLed."""
-    import signal
-
     left, first = set(pids), 0
     while left:
         pid, status = os.waitpid(-1, 0)
@@ -106,11 +108,7 @@ def _wait_all(pids: list[int]) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code != 0 and first == 0:
             first = code
-            for other in left:
-                try:
-                    os.killpg(other, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_sessions(left)
     return first
 
 

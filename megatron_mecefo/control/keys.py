@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 import time
 
 COORDINATOR_ENV = "MECEFO_COORDINATOR"
@@ -239,16 +240,26 @@ def parse_address(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def connect(address: str, timeout_s: float):
-    """A new client of the job's store (one per thread: clients are not shared): a TCPStore
-    client for `HOST:PORT`, an `EtcdStore` for `etcd://...` (`etcd_store.py`)."""
-    import torch.distributed as dist
-
+def connect(address: str, timeout_s: float, *, torch_client: bool | None = None):
+    """A new client of the job's store (one per thread: clients are not shared): for `HOST:PORT`
+    torch's `TCPStore` client, or the same protocol in plain Python (`tcp_client.py`) in a
+    process that has not imported torch (`torch_client` None) or asks for it (False): the agent
+    and the coordinator never pay a torch import for it. `torch_client=True` where the store is
+    handed to torch (`PrefixStore`, `init_process_group`). `etcd://...`: an `EtcdStore`
+    (`etcd_store.py`, always torch's `Store` type)."""
     if address.startswith("etcd://"):
         from megatron_mecefo.control.etcd_store import EtcdStore
 
         return EtcdStore(address, timeout_s)
     host, port = parse_address(address)
+    if torch_client is None:
+        torch_client = "torch" in sys.modules
+    if not torch_client:
+        from megatron_mecefo.control.tcp_client import TcpStoreClient
+
+        return TcpStoreClient(host, port, timeout_s)
+    import torch.distributed as dist
+
     return dist.TCPStore(
         host,
         port,
@@ -257,6 +268,17 @@ def connect(address: str, timeout_s: float):
         timeout=datetime.timedelta(seconds=timeout_s),
         use_libuv=True,
     )
+
+
+def is_store_error(exc: BaseException) -> bool:
+    """Whether `exc` is a store client's error: torch's `DistError` (an `EtcdUnavailable` too)
+    or `tcp_client.StoreError`, without importing torch to ask."""
+    from megatron_mecefo.control.tcp_client import StoreError
+
+    if isinstance(exc, StoreError):
+        return True
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and isinstance(exc, dist.DistError)
 
 
 def report_dead(store, rank: int, incarnation: int, epoch_s: float | None = None) -> None:

@@ -23,6 +23,7 @@ import time
 import uuid
 from pathlib import Path
 
+from megatron_mecefo.control import keys
 from megatron_mecefo.control.proc import die_with_parent, ignore_stop_signal, quiet_cpp_logs
 from megatron_mecefo.errors import ExitCode, MecefoError
 from megatron_mecefo.failover.node import store_wait
@@ -329,10 +330,8 @@ def _run(args: argparse.Namespace, stack: contextlib.ExitStack) -> int:
     except MecefoError as exc:  # an etcd job id that names a stopped launch, no store
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return int(exc.exit_code)
-    except Exception as exc:  # torch's DistError (EtcdUnavailable too): no store to join
-        import torch.distributed as dist
-
-        if not isinstance(exc, dist.DistError):
+    except Exception as exc:  # a store client's error (EtcdUnavailable too): no store to join
+        if not keys.is_store_error(exc):
             raise
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__  # no C++ frames
         print(f"error: the job's store at {address}: {first}", file=sys.stderr, flush=True)

@@ -233,7 +233,9 @@ class FailoverManager(RunControl):
         if self.replica_size == 1:
             store = dist.HashStore()
         else:
-            client = keys.connect(self.plane.address, self.fcfg.regroup_timeout_s)
+            client = keys.connect(
+                self.plane.address, self.fcfg.regroup_timeout_s, torch_client=True
+            )
             store = dist.PrefixStore(f"replica/{self.replica}/{self.incarnation}", client)
         dist.init_process_group(
             self.backend,

@@ -1,12 +1,14 @@
-"""The job's store on an etcd cluster: a c10d `Store` whose keys live in etcd (v3 API).
+"""The job's store on an etcd cluster: keys in etcd (v3 API) behind the calls of a c10d `Store`.
 
 `mecefo-launch --store etcd` hands every process the address `etcd://HOST:PORT[,HOST:PORT...]/JOB`
 instead of the TCPStore's `HOST:PORT`; `keys.connect` gives an `EtcdStore` for it. Every key of the
 job lives under `/mecefo/JOB/`, so one etcd cluster serves many jobs.
 
-It is a real c10d store (a Python subclass of `torch.distributed.Store`): the control plane's calls
-(`set`, `get`, `add`, `compare_set`, `check`, `multi_get`, `append`, `delete_key`, `wait`) and the
-per-generation gloo rendezvous on a `PrefixStore` of it work unchanged.
+`EtcdStore` answers the control plane's calls (`set`, `get`, `add`, `compare_set`, `check`,
+`multi_get`, `append`, `delete_key`, `wait`) as a TCPStore does, without importing torch (the agent
+and the coordinator never do). `torch_store` wraps one in a real c10d store (a Python subclass of
+`torch.distributed.Store`) for a rank: its per-generation gloo rendezvous on a `PrefixStore` works
+unchanged.
 
 - etcd has no increment: `add` and `append` are a read, then a transaction on that key's
   revision, retried when another writer came first. The transaction also writes a key unique to
@@ -14,8 +16,8 @@ per-generation gloo rendezvous on a `PrefixStore` of it work unchanged.
   finds that key and returns what the first one wrote, so no add counts twice.
 - Requests go through `etcd3gw` (pinned, imported lazily) to one endpoint at a time; an endpoint
   that does not answer, or a member that has lost its leader, sends the request to the next one
-  until the operation's deadline. Past it, `EtcdUnavailable` (a `DistStoreError`, as a TCPStore
-  raises) names the endpoints: a lost quorum looks exactly like that.
+  until the operation's deadline. Past it, `EtcdUnavailable` (a `StoreError`: a `RuntimeError`, as
+  torch's `DistStoreError`) names the endpoints: a lost quorum looks exactly like that.
 - A blocking `get` or `wait` polls (5 ms, growing to 50 ms) until its timeout.
 - Leases (`grant`, `keepalive`, `revoke`), `create` (a key that must not exist) and `txn_put` (puts
   that happen only if given keys hold given values) serve the node leases, the coordinator's
@@ -31,7 +33,7 @@ import time
 import uuid
 from collections.abc import Iterable
 
-import torch.distributed as dist
+from megatron_mecefo.control.store_errors import StoreError, StoreTimeout
 
 SCHEME = "etcd://"
 ROOT = "/mecefo/"
@@ -51,7 +53,7 @@ UNAVAILABLE_TEXT = "etcd unreachable"
 """How `EtcdUnavailable`'s text starts (it may reach a handler re-raised by torch's C++)."""
 
 
-class EtcdUnavailable(dist.DistStoreError):
+class EtcdUnavailable(StoreError):
     """No endpoint of the cluster served a request in time (members down, or quorum lost)."""
 
 
@@ -191,18 +193,11 @@ def _value_of(response: dict) -> bytes | None:
     return _unb64(kvs[0].get("value")) if kvs else None
 
 
-_KEEP_ALIVE: list[EtcdStore] = []
-"""Every EtcdStore made: a c10d object that holds one (a `PrefixStore`, a process group) holds
-only its C++ half, and once the Python half is collected each call fails ("Not implemented").
-A job makes a few per generation, so keeping all is cheap."""
-
-
-class EtcdStore(dist.Store):
-    """A c10d store on etcd (see the module docstring). One per thread, like a TCPStore client."""
+class EtcdStore:
+    """The job's store on etcd (see the module docstring). One per thread, like a TCPStore
+    client."""
 
     def __init__(self, address: str, timeout_s: float):
-        super().__init__()
-        _KEEP_ALIVE.append(self)
         endpoints, job = parse(address)
         self.address = address
         self.job = job
@@ -212,7 +207,13 @@ class EtcdStore(dist.Store):
         self._op_count = itertools.count()
         self._op_lease: tuple[int, float] | None = None  # (lease, when granted)
         self._timeout_s = timeout_s
-        self.set_timeout(datetime.timedelta(seconds=timeout_s))
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self._timeout_s)
 
     def _k(self, key: str) -> str:
         return self.root + key
@@ -343,7 +344,7 @@ class EtcdStore(dist.Store):
                 return values
             if time.monotonic() >= deadline:
                 missing = [k for k, v in zip(keys, values) if v is None]
-                raise dist.DistStoreError(
+                raise StoreTimeout(
                     f"wait timeout after {limit:.1f} s for key(s) {missing} in etcd {self.root}"
                 )
             time.sleep(pause)
@@ -380,3 +381,62 @@ class EtcdStore(dist.Store):
         if self._op_lease is None or now - self._op_lease[1] > OPS_LEASE_S / 2:
             self._op_lease = (self.grant(OPS_LEASE_S), now)
         return self._op_lease[0]
+
+
+_KEEP_ALIVE: list = []
+"""Every store `torch_store` made: a c10d object that holds one (a `PrefixStore`, a process group)
+holds only its C++ half, and once the Python half is collected each call fails ("Not
+implemented"). A job makes a few per generation, so keeping all is cheap."""
+
+
+def torch_store(store: EtcdStore):
+    """`store` as a c10d `Store` (for a `PrefixStore`, a gloo rendezvous): the c10d calls and
+    every other attribute go to `store`. Imports torch."""
+    import torch.distributed as dist
+
+    class TorchEtcdStore(dist.Store):
+        def __init__(self, inner: EtcdStore):
+            super().__init__()
+            self.inner = inner
+            dist.Store.set_timeout(self, inner.timeout)
+
+        def __getattr__(self, name):  # only for what this class does not define
+            return getattr(self.__dict__["inner"], name)
+
+        def set(self, key, value):
+            self.inner.set(key, value)
+
+        def get(self, key):
+            return self.inner.get(key)
+
+        def check(self, keys):
+            return self.inner.check(keys)
+
+        def multi_get(self, keys):
+            return self.inner.multi_get(keys)
+
+        def wait(self, keys, timeout=None):
+            self.inner.wait(keys, timeout)
+
+        def add(self, key, amount):
+            return self.inner.add(key, amount)
+
+        def append(self, key, value):
+            self.inner.append(key, value)
+
+        def compare_set(self, key, expected, desired):
+            return self.inner.compare_set(key, expected, desired)
+
+        def delete_key(self, key):
+            return self.inner.delete_key(key)
+
+        def num_keys(self):
+            return self.inner.num_keys()
+
+        def set_timeout(self, timeout):
+            dist.Store.set_timeout(self, timeout)
+            self.inner.set_timeout(timeout)
+
+    wrapped = TorchEtcdStore(store)
+    _KEEP_ALIVE.append(wrapped)
+    return wrapped

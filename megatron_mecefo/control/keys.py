@@ -241,19 +241,22 @@ def parse_address(address: str) -> tuple[str, int]:
 
 
 def connect(address: str, timeout_s: float, *, torch_client: bool | None = None):
-    """A new client of the job's store (one per thread: clients are not shared): for `HOST:PORT`
-    torch's `TCPStore` client, or the same protocol in plain Python (`tcp_client.py`) in a
-    process that has not imported torch (`torch_client` None) or asks for it (False): the agent
-    and the coordinator never pay a torch import for it. `torch_client=True` where the store is
-    handed to torch (`PrefixStore`, `init_process_group`). `etcd://...`: an `EtcdStore`
-    (`etcd_store.py`, always torch's `Store` type)."""
-    if address.startswith("etcd://"):
-        from megatron_mecefo.control.etcd_store import EtcdStore
+    """A new client of the job's store (one per thread: clients are not shared).
 
-        return EtcdStore(address, timeout_s)
-    host, port = parse_address(address)
+    `HOST:PORT`: torch's `TCPStore` client, or the same protocol in plain Python
+    (`tcp_client.py`); `etcd://...`: an `EtcdStore` (`etcd_store.py`), wrapped as a c10d `Store`
+    for torch. torch's kind where the store is handed to torch (`PrefixStore`,
+    `init_process_group`: `torch_client=True`) or, by default, in a process that has imported
+    torch already (a rank); the plain kind elsewhere, so the agent and the coordinator never pay
+    a torch import for their store."""
     if torch_client is None:
         torch_client = "torch" in sys.modules
+    if address.startswith("etcd://"):
+        from megatron_mecefo.control import etcd_store
+
+        store = etcd_store.EtcdStore(address, timeout_s)
+        return etcd_store.torch_store(store) if torch_client else store
+    host, port = parse_address(address)
     if not torch_client:
         from megatron_mecefo.control.tcp_client import TcpStoreClient
 
@@ -271,9 +274,9 @@ def connect(address: str, timeout_s: float, *, torch_client: bool | None = None)
 
 
 def is_store_error(exc: BaseException) -> bool:
-    """Whether `exc` is a store client's error: torch's `DistError` (an `EtcdUnavailable` too)
-    or `tcp_client.StoreError`, without importing torch to ask."""
-    from megatron_mecefo.control.tcp_client import StoreError
+    """Whether `exc` is a store client's error: torch's `DistError` or our `StoreError`
+    (`tcp_client`, `etcd_store`), without importing torch to ask."""
+    from megatron_mecefo.control.store_errors import StoreError
 
     if isinstance(exc, StoreError):
         return True

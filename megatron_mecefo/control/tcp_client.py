@@ -24,6 +24,8 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
+from megatron_mecefo.control.store_errors import StoreError, StoreTimeout
+
 MAGIC = 0x3C85F7CE
 """torch's `validationMagicNumber`: the first message of every client."""
 KEY_PREFIX = "/"
@@ -34,15 +36,6 @@ VALIDATE, SET, COMPARE_SET, GET, ADD, CHECK, WAIT, GETNUMKEYS, DELETE_KEY = rang
 APPEND, MULTI_GET, MULTI_SET, CANCEL_WAIT, PING = range(9, 14)
 READY = 0  # CheckResponseType
 STOP_WAITING, WAIT_CANCELED = 0, 1  # WaitResponseType
-
-
-class StoreError(RuntimeError):
-    """A store call that failed: the server gone, a reply that breaks the protocol. A
-    `RuntimeError`, as torch's `DistStoreError` is, so callers catch both alike."""
-
-
-class StoreTimeout(StoreError):
-    """A wait (or a get of a key never set) that outlasted its timeout."""
 
 
 def _as_bytes(value) -> bytes:

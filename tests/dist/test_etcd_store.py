@@ -69,8 +69,9 @@ def _sequence(store) -> list:
     out.append(store.delete_key("a"))
     out.append(store.delete_key("a"))
     out.append(store.check(["a"]))
-    with pytest.raises(dist.DistStoreError):
+    with pytest.raises(RuntimeError) as timed_out:  # torch's DistStoreError, or our StoreError
         store.wait(["never"], datetime.timedelta(seconds=0.3))
+    assert keys.is_store_error(timed_out.value)
     return out
 
 
@@ -149,7 +150,8 @@ def test_concurrent_adds_lose_nothing(cluster):
 
 
 def _gloo_rank(rank: int, addr: str, queue) -> None:
-    store = dist.PrefixStore("gen/7/tp0", EtcdStore(addr, 20.0))  # as the trainers build it
+    client = keys.connect(addr, 20.0, torch_client=True)  # as the trainers build it
+    store = dist.PrefixStore("gen/7/tp0", client)
     gc.collect()  # only the C++ half of the client is referenced now
     pg = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=20))
     x = torch.full((3,), float(rank + 1))
@@ -167,6 +169,25 @@ def test_gloo_group_forms_on_a_prefix_of_it(cluster):
     results = [queue.get(timeout=60) for _ in procs]
     [p.join(30) for p in procs]
     assert results == [[3.0, 3.0, 3.0]] * 2
+
+
+@needs_etcd
+def test_the_control_plane_s_client_does_not_import_torch(cluster):
+    addr = address(cluster.endpoints, "plain")
+    code = (
+        "import sys\n"
+        "from megatron_mecefo.control import keys\n"
+        f"s = keys.connect({addr!r}, 5.0)\n"
+        "s.set('k', 'v'); s.add('n', 2)\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print(type(s).__name__)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "EtcdStore"
+    ranks = keys.connect(addr, 5.0)  # a process with torch: a c10d store, the same keys
+    assert isinstance(ranks, dist.Store) and ranks.multi_get(["k", "n"]) == [b"v", b"2"]
 
 
 @needs_etcd

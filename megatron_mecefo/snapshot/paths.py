@@ -12,6 +12,8 @@ SMP_ENV = "MECEFO_SMP"
 """Set to 1 by mecefo-launch when the node runs a snapshot process."""
 SHM_DIR_ENV = "MECEFO_SHM_DIR"
 """Shared-memory root (default /dev/shm)."""
+REBUILT_MARKER = "rebuilt.json"
+"""Written by the snapshot process into a node folder it rebuilt from parity: {"step": S, ...}."""
 NODE_DIR_ENV = "MECEFO_SNAPSHOT_DIR"
 """This node's snapshot folder, set by mecefo-launch for its trainers and its snapshot process."""
 

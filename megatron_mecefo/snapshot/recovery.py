@@ -23,13 +23,10 @@ from typing import Any
 from megatron_mecefo.checkpoint import layout
 from megatron_mecefo.checkpoint.manager import CheckpointManager, find_resume
 from megatron_mecefo.errors import CheckpointError, SnapshotCorruptError
-from megatron_mecefo.snapshot.paths import SMP_ENV
+from megatron_mecefo.snapshot.paths import REBUILT_MARKER, SMP_ENV
 from megatron_mecefo.snapshot.slots import SlotPair
 from megatron_mecefo.training import state as train_state
 from megatron_mecefo.training.identity import StateIdentity
-
-REBUILT_MARKER = "rebuilt.json"
-"""Written by the snapshot process into a node folder it rebuilt from parity: {"step": S, ...}."""
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from megatron_mecefo.errors import CheckpointError, SnapshotCorruptError
 
@@ -43,6 +41,9 @@ _FIELDS = struct.Struct("<qqqI")  # step, skeleton length, payload length, meta 
 _COVERED = 20  # the CRC covers the header from here (state byte and magic excluded)
 _META = _COVERED + _FIELDS.size  # 48
 _ALIGN = 64
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: the snapshot process, which
+    import torch  # moves raw bytes only, never imports it
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ def _is_placeholder(obj: Any) -> bool:
 
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """Replace every tensor in a nested dict/list/tuple by its index in the returned list."""
+    import torch
+
     tensors: list[torch.Tensor] = []
 
     def take(t: torch.Tensor) -> tuple[str, int]:
@@ -124,6 +127,8 @@ def _unflatten(skeleton: Any, refs: list[_TensorRef], base: torch.Tensor) -> Any
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     t = t if t.is_contiguous() else t.contiguous()
     return t.reshape(-1).view(torch.uint8)
 
@@ -173,6 +178,10 @@ class SlotFile:
 
     def copy_tensor(self, offset: int, tensor: torch.Tensor) -> None:
         src = _as_bytes(tensor)
+        if self._view is None:
+            import torch
+
+            self._view = torch.frombuffer(self._mm, dtype=torch.uint8)
         self._view[offset : offset + src.numel()].copy_(src)
 
     def seal(self) -> None:
@@ -198,7 +207,6 @@ class SlotFile:
             self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
-        self._view = torch.frombuffer(self._mm, dtype=torch.uint8)
 
     def close(self) -> None:
         self._view = None
@@ -245,6 +253,8 @@ class SlotFile:
         """
         head, data = self.read_raw(verify=verify)
         body = memoryview(data)[HEADER:]
+        import torch
+
         skeleton, refs = pickle.loads(body[: head.skeleton])
         base = torch.frombuffer(data, dtype=torch.uint8)[HEADER + head.skeleton :]
         return head, _unflatten(skeleton, refs, base)

@@ -150,7 +150,7 @@ class SnapshotProcess:
 
     def _rebuild(self) -> None:
         from megatron_mecefo.errors import CheckpointError
-        from megatron_mecefo.snapshot.recovery import REBUILT_MARKER
+        from megatron_mecefo.snapshot.paths import REBUILT_MARKER
 
         t0 = time.perf_counter()
         try:

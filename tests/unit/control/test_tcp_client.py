@@ -49,7 +49,8 @@ def test_every_call_agrees_with_torch_s_client(server):
     assert ours.compare_set("a", "1", "2") == b"2"
     assert ours.compare_set("a", "1", "3") == b"2"
     assert ours.compare_set("fresh", "", "x") == b"x" and theirs.get("fresh") == b"x"
-    ours.append("a", ";z")
+    ours.append("a", ";z")  # no reply: a round trip on the same connection orders it
+    assert ours.get("a") == b"2;z"
     theirs.append("a", ";y")
     assert ours.get("a") == b"2;z;y"
     ours.multi_set(["m1", "m2"], ["v1", b"v2"])
@@ -149,12 +150,14 @@ def test_a_store_that_dies_is_a_store_error():
         proc.kill()
 
 
-def test_a_process_without_torch_connects_without_importing_it(server):
+def test_the_agent_coordinator_and_snapshot_process_connect_without_torch(server):
     code = (
         "import sys\n"
         "from megatron_mecefo.control import keys\n"
         "import megatron_mecefo.failover.node.agent_cli\n"
         "import megatron_mecefo.failover.authority.coordinator_cli\n"
+        "import megatron_mecefo.snapshot.smp, megatron_mecefo.snapshot.parity\n"
+        "from megatron_mecefo.snapshot.paths import REBUILT_MARKER\n"
         f"s = keys.connect('127.0.0.1:{server.port}', 5.0)\n"
         "s.set('from_child', 'ok')\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"

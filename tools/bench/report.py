@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its section modules, when loaded by path
 from report_anomaly import (  # noqa: E402
     section_anomaly_cost,
+    section_rerun_peer,
     section_spike_threshold,
     section_straggler,
 )
@@ -359,6 +360,7 @@ SECTIONS = (
     ("Silent-fault checks: what a normal step pays", section_anomaly_cost),
     ("Spike thresholds against failure-free runs", section_spike_threshold),
     ("A straggler's step time, mitigated", section_straggler),
+    ("One NaN beside megatron-core's RerunStateMachine", section_rerun_peer),
 )
 
 

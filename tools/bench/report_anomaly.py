@@ -1,6 +1,8 @@
 """The sections of BENCHMARKS.md on silent faults: what the checks cost a normal step
 (`tools/bench/anomaly_cost.py`), how far failure-free runs come to the spike limits
-(`tools/bench/spike_threshold.py`), and a straggler's step time (`tools/bench/straggler.py`)."""
+(`tools/bench/spike_threshold.py`), a straggler's step time (`tools/bench/straggler.py`), and one
+NaN handled by megatron-core's `RerunStateMachine` and by the rerun on a peer
+(`tools/bench/rerun_peer.py`)."""
 
 from __future__ import annotations
 
@@ -96,4 +98,75 @@ def section_straggler(ctx: Any, doc: dict) -> list[str]:
         for name, r in rows.items()
     ]
     out += _table(["run", "before", "slowed", "after", "after / failure-free"], table)
+    return out + [""]
+
+
+@tool_section("rerun_peer")
+def section_rerun_peer(ctx: Any, doc: dict) -> list[str]:
+    """One NaN at one step: megatron-core's state machine (restart on another device) and the
+    rerun on a healthy peer, seconds from the fault step's start."""
+    a = doc.get("args") or {}
+    out = [
+        f"The tiny demo model; every micro-batch loss of step {a.get('step', '?')} multiplied by "
+        "NaN. megatron-core 0.16.1's `RerunStateMachine` around a Megatron-LM-style loop on 1 "
+        'rank (a restart is a fresh process on "another GPU"); megatron-mecefo under '
+        "`mecefo-launch` with 2 replicas (`--inject nan:1:S[:persistent|:data]`). Seconds from "
+        "the fault step's start; resume ends when that step is committed. megatron-mecefo's "
+        "detection is its normal step time: events.jsonl stamps no step start, and the vote "
+        "that posts the anomaly ends each attempt (`docs/anomalies.md`).",
+        "",
+    ]
+    rows = [
+        [
+            r.get("kind", "?"),
+            r.get("system", "?"),
+            r.get("verdict", "?"),
+            _f(r.get("detection_s"), ".3f", " s"),
+            _f(r.get("judgement_s"), ".2f", " s"),
+            _f(r.get("resume_s"), ".2f", " s"),
+            _f(r.get("total_s"), ".2f", " s"),
+            str(r.get("ranks_stopped", "?")),
+            _f(r.get("ckpt_bytes") and r["ckpt_bytes"] / 1e6, ".2f", " MB") if r.get("ckpt_bytes")
+            else "0",
+        ]
+        for r in doc.get("rows") or []
+    ]  # fmt: skip
+    out += _table(
+        ["kind", "system", "verdict", "detection", "judgement", "resume", "total",
+         "ranks stopped", "checkpoint written"],
+        rows,
+    )  # fmt: skip
+    parts = [
+        ("in-place rerun", "in_place_rerun_s"), ("checkpoint save", "ckpt_save_s"),
+        ("process teardown", "exit_s"), ("new process (python, torch, megatron)",
+        "process_start_s"), ("build", "build_s"), ("load", "load_s"), ("rerun", "rerun_s"),
+    ]  # fmt: skip
+    for r in doc.get("rows") or []:
+        if r.get("second_exit") is None:
+            continue
+        spent = ", ".join(f"{name} {_f(r.get(key), '.2f', ' s')}" for name, key in parts)
+        out.append(
+            f"- megatron-core, {r.get('kind')}: exit {r.get('first_exit')} then "
+            f"{r.get('second_exit')}; {spent} (a process's first save: "
+            f"{_f(r.get('first_save_s'), '.2f', ' s')})."
+        )
+    if doc.get("verdicts"):
+        out += [
+            "",
+            "The machine's verdicts, both processes' parts run in one (`fatal` of "
+            "`validate_result`: as timed = False for the transient, True before the restart and "
+            "False after it for the others; True throughout is Megatron-LM's NaN check, False its "
+            "spiky-loss check):",
+            "",
+        ]
+    for label, kinds in (doc.get("verdicts") or {}).items():
+        if label == "reference":
+            continue
+        said = "; ".join(
+            f"{kind}: exit {r.get('first_exit')}"
+            + (f" then {r['second_exit']}" if "second_exit" in r else "")
+            + f" ({r.get('verdict', '?')})"
+            for kind, r in kinds.items()
+        )
+        out.append(f"- `validate_result` {label}: {said}.")
     return out + [""]

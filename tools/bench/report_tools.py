@@ -258,6 +258,13 @@ TOOLS = (
         (),
         ("--model", "tiny", "--steps", "50"),
     ),
+    Tool(
+        "rerun_peer",
+        "one NaN beside megatron-core's RerunStateMachine",
+        "tools/bench/rerun_peer.py",
+        (),  # about 1 min: 5 real processes and 3 mecefo-launch jobs
+        (),
+    ),
 )
 SIM_DROP_TOOLS = [t for t in TOOLS if t.name.startswith("sim_") and t.name != "sim_reproduce"]
 

@@ -403,6 +403,7 @@ ALL_SECTIONS = [
     "Silent-fault checks: what a normal step pays",
     "Spike thresholds against failure-free runs",
     "A straggler's step time, mitigated",
+    "One NaN beside megatron-core's RerunStateMachine",
 ]
 """Every section BENCHMARKS.md holds: none of it may be typed in by hand after a run."""
 

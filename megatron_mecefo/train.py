@@ -144,5 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
+def cli() -> None:
+    """The `mecefo-train` command: `main`, then `proc.exit_now` (`main` returns, for tests)."""
+    from megatron_mecefo.control.proc import exit_now
+
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

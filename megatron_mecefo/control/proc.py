@@ -150,3 +150,17 @@ def ignore_stop_signal() -> None:
     (each in its own session, so no signal to the agent's group reaches them)."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     die_with_parent()
+
+
+def exit_now(code: int):
+    """Exit with `code` after the atexit handlers (multiprocessing stops its helper processes
+    there, loggers flush) and stdio, without the interpreter's teardown: with torch and megatron
+    imported it takes 1.1 s of CPU (module and object clean-up; 0.4 s with torch alone), which
+    a process that has closed its files does not need. `mecefo-train` and `mecefo-coordinator`
+    end so; a rank under failover has always ended with a bare `os._exit`."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -37,7 +37,7 @@ def _say(record: dict) -> None:
 
 def _become_the_rank(order: dict, rank: int, port: int) -> int:
     """In the forked child: its own session, its files on fds 0-2, its environment, then
-    `mecefo-train`'s main; the return value is the exit code (`sys.exit` in `__main__`)."""
+    `mecefo-train`'s main, and its exit (`proc.exit_now`)."""
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)  # the orders pipe is the server's
@@ -59,9 +59,10 @@ def _become_the_rank(order: dict, rank: int, port: int) -> int:
             MASTER_PORT=str(port),
         )
     from megatron_mecefo import train
+    from megatron_mecefo.control.proc import exit_now
 
     sys.argv = [train.__file__, *order["args"]]
-    return train.main(order["args"])
+    exit_now(train.main(order["args"]))  # as `mecefo-train` ends
 
 
 def serve() -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_mecefo.control import keys
-from megatron_mecefo.control.proc import die_with_parent
+from megatron_mecefo.control.proc import die_with_parent, exit_now
 from megatron_mecefo.control.records import post_event
 from megatron_mecefo.failover.authority.coordinator_cli import (
     add_detector_flags,
@@ -173,5 +173,10 @@ def _stop_child(child: subprocess.Popen) -> None:
         child.wait()
 
 
+def cli() -> None:
+    """The `mecefo-coordinator` command: `main`, then `proc.exit_now`."""
+    exit_now(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

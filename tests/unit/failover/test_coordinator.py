@@ -354,3 +354,29 @@ def test_hang_detected_when_a_rank_lags_a_whole_step(store):
         store.set(keys.progress(r), "0:4:reduce" if r == 3 else "0:5:reduce")
     run_ticks(c, store, beating=range(4), seconds=0.6)
     assert members(store) == (2, [0, 1, 2])
+
+
+def test_a_replaced_node_s_ranks_are_noted_admitted_in_one_pass(store):
+    """`_trains_again` (is a standby's node training yet?) notes the admission step of every
+    rank of the node at once: when it stopped at the first rank not yet training, the next rank's
+    admission was noted a tick later, at a later job step, and `node_replaced` came late (a CI
+    failure of `test_spares.py`)."""
+    c = make(store)
+    for r in range(4):
+        register(store, r)
+    c.tick()
+    for r in (2, 3):
+        keys.report_dead(store, r, 0)
+    c.tick()
+    assert members(store)[1] == [0, 1]
+    for r in (2, 3):
+        register(store, r, inc=1)
+    run_ticks(c, store, beating=range(4), seconds=0.3)
+    assert members(store)[1] == [0, 1, 2, 3]
+    c.detector.job_step = 10
+    c.ranks[2].progress, c.ranks[3].progress = "1:9:idle", "1:10:compute"  # 2 still loading
+    assert not c._trains_again({2: 0, 3: 0})
+    assert c._admitted_at[(2, 1)] == c._admitted_at[(3, 1)] == 10
+    c.detector.job_step = 12
+    c.ranks[2].progress = c.ranks[3].progress = "1:11:compute"
+    assert c._trains_again({2: 0, 3: 0})  # both past the step they were admitted at

@@ -62,6 +62,16 @@ def test_every_call_agrees_with_torch_s_client(server):
     assert ours.num_keys() == before - 1 and not theirs.check(["m1"])
 
 
+def test_a_multi_get_of_thousands_of_keys_reads_as_torch_s(server):
+    """Replies read in large chunks (the coordinator reads every rank's heartbeat at once)."""
+    ours = TcpStoreClient("127.0.0.1", server.port, 5.0)
+    theirs = _torch_client(server.port)
+    names = [f"hb/{i}" for i in range(5000)]
+    theirs.multi_set(names, [b"x" * (i % 97) + str(i).encode() for i in range(5000)])
+    assert ours.multi_get(names) == theirs.multi_get(names)
+    assert ours.add("after", 3) == 3  # nothing left over in the stream
+
+
 def test_wait_times_out_then_the_client_still_works(server):
     ours = TcpStoreClient("127.0.0.1", server.port, 5.0)
     t0 = time.monotonic()

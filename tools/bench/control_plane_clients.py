@@ -423,7 +423,8 @@ def _coordinator_main(spec: dict, counters, stop, out) -> None:
     ticks, agents count, sleep 50 ms), each tick timed (`TimedCoordinator`); its tick count and
     store requests are published in the last two `counters` after each tick and between ticks."""
     _child_setup()
-    store = CountingStore(keys.connect(spec["address"], 30.0))
+    # the plain client, as `mecefo-coordinator` has (it never imports torch; this process has)
+    store = CountingStore(keys.connect(spec["address"], 30.0, torch_client=False))
     cfg = DetectorConfig(heartbeat_timeout_s=spec["heartbeat_timeout_s"])
     notes: list[str] = []
     coord = None

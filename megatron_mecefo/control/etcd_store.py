@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import functools
 import itertools
 import time
 import uuid
@@ -392,6 +393,14 @@ implemented"). A job makes a few per generation, so keeping all is cheap."""
 def torch_store(store: EtcdStore):
     """`store` as a c10d `Store` (for a `PrefixStore`, a gloo rendezvous): the c10d calls and
     every other attribute go to `store`. Imports torch."""
+    wrapped = _torch_store_class()(store)
+    _KEEP_ALIVE.append(wrapped)
+    return wrapped
+
+
+@functools.cache
+def _torch_store_class():
+    """The c10d `Store` subclass behind `torch_store`, made once (it needs torch)."""
     import torch.distributed as dist
 
     class TorchEtcdStore(dist.Store):
@@ -437,6 +446,4 @@ def torch_store(store: EtcdStore):
             dist.Store.set_timeout(self, timeout)
             self.inner.set_timeout(timeout)
 
-    wrapped = TorchEtcdStore(store)
-    _KEEP_ALIVE.append(wrapped)
-    return wrapped
+    return TorchEtcdStore

@@ -153,8 +153,8 @@ def start_writer_queue_ignoring_stop_signals() -> None:
 
 
 class PickledQueue:
-    """A queue whose items cross it as pickled bytes: the `put`, `get` and `get_nowait` that
-    megatron's async writer calls on its result queue.
+    """A queue whose items cross it as pickled bytes: the `put` and `get_nowait` that megatron's
+    async writer calls on its result queue.
 
     That queue lives in a Manager process, which holds real objects: the writer's results
     (`torch.distributed.checkpoint` `WriteResult`s) made it import torch at the first save, 1.1 s
@@ -166,9 +166,6 @@ class PickledQueue:
 
     def put(self, item, *args, **kwargs) -> None:
         self.inner.put(pickle.dumps(item), *args, **kwargs)
-
-    def get(self, *args, **kwargs):
-        return pickle.loads(self.inner.get(*args, **kwargs))
 
     def get_nowait(self):
         return pickle.loads(self.inner.get_nowait())

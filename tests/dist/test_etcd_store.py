@@ -32,6 +32,7 @@ from megatron_mecefo.control.etcd_store import EtcdStore, EtcdUnavailable, addre
 from megatron_mecefo.control.records import Fenced, GenerationRecord, publish_generation
 from tests.helpers.dist import free_port
 from tests.helpers.etcd import cluster, needs_etcd  # noqa: F401 - a fixture
+from tests.helpers.no_torch import client_without_torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -174,18 +175,8 @@ def test_gloo_group_forms_on_a_prefix_of_it(cluster):
 @needs_etcd
 def test_the_control_plane_s_client_does_not_import_torch(cluster):
     addr = address(cluster.endpoints, "plain")
-    code = (
-        "import sys\n"
-        "from megatron_mecefo.control import keys\n"
-        f"s = keys.connect({addr!r}, 5.0)\n"
-        "s.set('k', 'v'); s.add('n', 2)\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        "print(type(s).__name__)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert out.stdout.strip() == "EtcdStore"
+    kind = client_without_torch(addr, "s.set('k', 'v'); s.add('n', 2)")
+    assert kind == "EtcdStore"
     ranks = keys.connect(addr, 5.0)  # a process with torch: a c10d store, the same keys
     assert isinstance(ranks, dist.Store) and ranks.multi_get(["k", "n"]) == [b"v", b"2"]
 

@@ -102,9 +102,7 @@ class Regroup:
 
         def build() -> None:
             try:
-                client = keys.connect(
-                    self.plane.address, self.regroup_timeout_s, torch_client=True
-                )
+                client = keys.connect(self.plane.address, self.regroup_timeout_s, torch_client=True)
                 # one DP group per position in the replica (TP rank, PP stage)
                 prefix = dist.PrefixStore(f"{key}/tp{self.position}", client)
                 result["group"] = groups.new_group(self.backend, prefix, pos, size, timeout)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_mecefo.control import keys
 from megatron_mecefo.control.tcp_client import StoreError, StoreTimeout, TcpStoreClient
 from tests.helpers.dist import free_port
+from tests.helpers.no_torch import client_without_torch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -161,22 +162,17 @@ def test_a_store_that_dies_is_a_store_error():
 
 
 def test_the_agent_coordinator_and_snapshot_process_connect_without_torch(server):
-    code = (
-        "import sys\n"
-        "from megatron_mecefo.control import keys\n"
-        "import megatron_mecefo.failover.node.agent_cli\n"
-        "import megatron_mecefo.failover.authority.coordinator_cli\n"
-        "import megatron_mecefo.snapshot.smp, megatron_mecefo.snapshot.parity\n"
-        "from megatron_mecefo.snapshot.paths import REBUILT_MARKER\n"
-        f"s = keys.connect('127.0.0.1:{server.port}', 5.0)\n"
-        "s.set('from_child', 'ok')\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-        "print(type(s).__name__)\n"
+    imports = (
+        "megatron_mecefo.failover.node.agent_cli",
+        "megatron_mecefo.failover.authority.coordinator_cli",
+        "megatron_mecefo.snapshot.smp",
+        "megatron_mecefo.snapshot.parity",
+        "megatron_mecefo.snapshot.paths",
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
+    kind = client_without_torch(
+        f"127.0.0.1:{server.port}", "s.set('from_child', 'ok')", imports, timeout_s=30
     )
-    assert out.stdout.strip() == "TcpStoreClient"
+    assert kind == "TcpStoreClient"
     assert server.get("from_child") == b"ok"
     # in a process that has torch (a rank), torch's client: it is handed to init_process_group
     assert isinstance(keys.connect(f"127.0.0.1:{server.port}", 5.0), dist.TCPStore)

@@ -97,8 +97,8 @@ class TcpStoreClient:
 
     def __del__(self):
         try:
-            self._sock.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, or no socket was made
             pass
 
     # -- framing ----------------------------------------------------------------------------

@@ -186,6 +186,7 @@ class Recovery:
                     cand.step,
                     verify=self.cfg.snapshot.verify_on_load,
                     check=self.identity.snapshot_mismatch,  # on the CRC-verified header
+                    into=_model_tensors(engine),  # straight into the model: no copy between
                 )
                 body_step = train_state.next_step_of(state)
                 if body_step != cand.step:
@@ -217,6 +218,13 @@ def _describe(cand: Candidate) -> str:
         "parity": f"a snapshot rebuilt from parity ({cand.where})",
         "disk": f"disk checkpoint {cand.where}",
     }[cand.source]
+
+
+def _model_tensors(engine) -> dict[tuple, Any]:
+    """The model's own tensors by their key path in a state dict (`("model", name)`): a
+    snapshot's weights are copied straight into them. They are overwritten only after the slot
+    verified, and a load that fails after that is followed by a full load or an error."""
+    return {("model", name): t for name, t in engine.ddp.module.state_dict().items()}
 
 
 def _check_shapes(engine, state: dict) -> None:

@@ -86,20 +86,6 @@ class _TensorRef:
     nbytes: int
 
 
-def _map_leaves(obj: Any, is_leaf: Callable[[Any], bool], fn: Callable[[Any], Any]) -> Any:
-    """A copy of the nested dict/list/tuple `obj` with every leaf for which `is_leaf` holds
-    replaced by `fn(leaf)` (containers rebuilt, other values shared)."""
-    if is_leaf(obj):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map_leaves(v, is_leaf, fn) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_map_leaves(v, is_leaf, fn) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_map_leaves(v, is_leaf, fn) for v in obj)
-    return obj
-
-
 def _is_placeholder(obj: Any) -> bool:
     return isinstance(obj, tuple) and len(obj) == 2 and obj[0] == "__tensor__"
 
@@ -114,16 +100,33 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
         tensors.append(t)  # state dicts hold detached tensors already
         return ("__tensor__", len(tensors) - 1)
 
-    return _map_leaves(state, lambda o: isinstance(o, torch.Tensor), take), tensors
+    return _map_paths(state, lambda o: isinstance(o, torch.Tensor), lambda _, t: take(t)), tensors
 
 
-def _unflatten(skeleton: Any, refs: list[_TensorRef], base: torch.Tensor) -> Any:
-    def load(placeholder: tuple[str, int]) -> torch.Tensor:
-        ref = refs[placeholder[1]]
-        raw = base[ref.offset : ref.offset + ref.nbytes].clone()
-        return raw.view(ref.dtype).reshape(ref.shape)
+def _map_paths(obj: Any, is_leaf: Callable[[Any], bool], fn, path: tuple = ()) -> Any:
+    """A copy of the nested dict/list/tuple `obj` with every leaf for which `is_leaf` holds
+    replaced by `fn(path, leaf)`, `path` the tuple of keys (and list indices) that reach it
+    (containers rebuilt, other values shared)."""
+    if is_leaf(obj):
+        return fn(path, obj)
+    if isinstance(obj, dict):
+        return {k: _map_paths(v, is_leaf, fn, (*path, k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        items = [_map_paths(v, is_leaf, fn, (*path, i)) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else tuple(items)
+    return obj
 
-    return _map_leaves(skeleton, _is_placeholder, load)
+
+def _fits(target: Any, ref: _TensorRef) -> bool:
+    import torch
+
+    return (
+        isinstance(target, torch.Tensor)
+        and target.device.type == "cpu"
+        and target.dtype == ref.dtype
+        and tuple(target.shape) == tuple(ref.shape)
+        and target.is_contiguous()
+    )
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -245,32 +248,111 @@ class SlotFile:
         del data[end:]
         return head, data
 
-    def read(self, *, verify: bool = True) -> tuple[SlotHeader, Any]:
-        """(verified header, state dict) of a clean slot.
+    def read(
+        self,
+        *,
+        verify: bool = True,
+        check: Check | None = None,
+        into: dict[tuple, torch.Tensor] | None = None,
+    ) -> tuple[SlotHeader, Any]:
+        """(verified header, state dict) of a clean slot whose meta passes `check`.
+
+        The file is mapped (not read into a buffer); header, CRC and `check` are verified on the
+        map, and only then is each tensor copied once out of it: into `into[key path]` where one
+        of the same dtype and shape is given (a key path is the tuple of keys from the top, e.g.
+        ("model", "decoder.final_layernorm.weight"); the caller's own tensors, already in
+        memory), else into a fresh tensor. The header is checked again after the copy: a slot
+        rewritten meanwhile is refused (its `into` tensors are then partly overwritten).
 
         Raises:
-            SnapshotCorruptError: see `read_raw`.
+            SnapshotCorruptError: see `read_raw`, or rewritten while it was copied.
+            CheckpointError: its (verified) meta fails `check`: another run's state.
         """
-        head, data = self.read_raw(verify=verify)
-        body = memoryview(data)[HEADER:]
-        import torch
 
-        skeleton, refs = pickle.loads(body[: head.skeleton])
-        base = torch.frombuffer(data, dtype=torch.uint8)[HEADER + head.skeleton :]
-        return head, _unflatten(skeleton, refs, base)
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise SnapshotCorruptError(f"{self.path.name}: no such slot") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER:
+                raise SnapshotCorruptError(f"{self.path.name}: truncated ({size} bytes)")
+            # shared and read-only: populating it maps tmpfs pages, copies nothing
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        try:
+            head = self._verified(mm, verify)
+            if check is not None and (reason := check(head.meta)) is not None:
+                raise CheckpointError(reason)
+            skeleton, refs = pickle.loads(mm[HEADER : HEADER + head.skeleton])
+            state = _copy_out(mm, HEADER + head.skeleton, skeleton, refs, into or {})
+            if _parse_header(mm[:HEADER]) != head:  # a writer marks the slot dirty first
+                raise SnapshotCorruptError(f"{self.path.name}: rewritten while it was read")
+            return head, state
+        finally:
+            try:
+                mm.close()
+            except BufferError:  # a view still held: the map goes with it
+                pass
+
+    def _verified(self, mm: mmap.mmap, verify: bool) -> SlotHeader:
+        head = _parse_header(mm[:HEADER])
+        if head.state != CLEAN:
+            raise SnapshotCorruptError(
+                f"{self.path.name}: not a clean snapshot (state {head.state})"
+            )
+        end = HEADER + head.skeleton + head.payload
+        if len(mm) < end or not head.covered:
+            raise SnapshotCorruptError(f"{self.path.name}: truncated ({len(mm)} bytes)")
+        if verify:
+            with memoryview(mm) as view:
+                if head.body_crc(view[HEADER:end]) != head.crc:
+                    raise SnapshotCorruptError(f"{self.path.name}: CRC mismatch (corrupt snapshot)")
+        return head
+
+
+def _copy_out(mm: mmap.mmap, base: int, skeleton: Any, refs: list[_TensorRef], into: dict) -> Any:
+    """The skeleton with each placeholder replaced by its tensor, copied out of the map at
+    `base` + its offset into `into[path]` where that fits, else into a fresh tensor."""
+    import warnings
+
+    import torch
+
+    def load(path: tuple, placeholder: tuple[str, int]) -> torch.Tensor:
+        ref = refs[placeholder[1]]
+        target = into.get(path)
+        dst = target if _fits(target, ref) else torch.empty(ref.shape, dtype=ref.dtype)
+        if ref.nbytes:
+            with warnings.catch_warnings():  # the map is read-only, and only read here
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(
+                    mm, dtype=torch.uint8, count=ref.nbytes, offset=base + ref.offset
+                )
+            dst.reshape(-1).view(torch.uint8).copy_(src)
+            del src
+        return dst
+
+    return _map_paths(skeleton, _is_placeholder, load)
 
 
 def plan_layout(state: Any) -> tuple[bytes, list[_TensorRef], list[torch.Tensor], int]:
     """Skeleton bytes, tensor refs (offsets relative to the payload start), tensors, payload size.
 
-    Offsets are relative to the payload, which starts after the header and the skeleton."""
+    Offsets are relative to the payload, which starts after the header and the skeleton (padded
+    to a multiple of 64 bytes from the file's start)."""
     skeleton, tensors = flatten(state)
     refs, offset = [], 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
         refs.append(_TensorRef(offset, t.dtype, tuple(t.shape), nbytes))
         offset += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-    return pickle.dumps((skeleton, refs)), refs, tensors, offset
+    raw = pickle.dumps((skeleton, refs))
+    # zero padding (unpickling ignores it) so that the payload, and each tensor, is 64-byte
+    # aligned in the file and in a map of it
+    raw += bytes(-(HEADER + len(raw)) % _ALIGN)
+    return raw, refs, tensors, offset
 
 
 Check = Callable[[dict], "str | None"]
@@ -303,8 +385,15 @@ class SlotPair:
             return free[0] if free else self.slots[0]
         return self.slots[1] if mine[0] is self.slots[0] else self.slots[0]
 
-    def read_at(self, step: int, *, verify: bool = True, check: Check | None = None) -> Any:
-        """The state of `step` whose meta passes `check`.
+    def read_at(
+        self,
+        step: int,
+        *,
+        verify: bool = True,
+        check: Check | None = None,
+        into: dict[tuple, torch.Tensor] | None = None,
+    ) -> Any:
+        """The state of `step` whose meta passes `check` (`into`: see `SlotFile.read`).
 
         Raises:
             SnapshotCorruptError: no clean slot of `step`, or it fails its CRC.
@@ -316,11 +405,13 @@ class SlotPair:
             raise SnapshotCorruptError(f"no clean snapshot of step {step} in {where}")
         why = None
         for slot in slots:
-            head, state = slot.read(verify=verify)
+            try:
+                head, state = slot.read(verify=verify, check=check, into=into)
+            except CheckpointError as exc:
+                why = exc
+                continue
             if head.step != step:  # rewritten between the header check and the read
                 why = SnapshotCorruptError(f"snapshot of step {step} was overwritten while reading")
-            elif check is not None and (reason := check(head.meta)) is not None:
-                why = CheckpointError(reason)
             else:
                 return state
         raise why
@@ -332,9 +423,7 @@ class SlotPair:
         does not is reported and skipped."""
         for head, slot in self.clean():
             try:
-                got, state = slot.read(verify=verify)
-                if check is not None and (reason := check(got.meta)) is not None:
-                    raise CheckpointError(reason)
+                got, state = slot.read(verify=verify, check=check)
                 return got.step, state
             except CheckpointError as exc:
                 if log is not None:

@@ -4,7 +4,8 @@ The process that handles failures writes `run_dir/events.jsonl` through `EventWr
 simulator (`mecefo-sim replay`, `megatron_mecefo.sim.events`) reads it back with `read_events`.
 One JSON object per line. Required fields:
   type        one of failure, detection, regroup, takeover, rejoin, restart, checkpoint, abort,
-              recovery, coordinator_restart, node_lost, node_replaced, step_redone (a step
+              recovery (a rank loaded saved state; extra `load_ms`: finding, reading and
+              installing it), coordinator_restart, node_lost, node_replaced, step_redone (a step
               attempt the members voted not to commit: it is redone under the next plan; one
               per aborted attempt, `generation` = the attempt's, extra `attempt`), shard_adopt,
               rollback, and the numerical faults (`failover/trainer/rerun.py`): anomaly (a

@@ -19,11 +19,15 @@ Each recovery is split from the job's own events.jsonl (`time_s`, one clock) and
 
   detection   failure.time_s -> detection.time_s (the coordinator has declared the loss)
   start       detection.time_s -> the earliest recovery's time_s - latency_ms (a process is
-              up, in the group, and begins to load; includes the agent's restart delay)
-  load        the longest recovery latency_ms (finding, reading and installing the state)
+              up; includes the agent's restart delay)
+  build       the slowest recovery's latency_ms - load_ms: the engine built (model, DDP,
+              optimizer: the same work for every source) and the group joined
+  state       its load_ms: finding, reading, verifying and installing the state
   first step  last recovery.time_s -> regroup "recover" time_s, plus the first resumed step's
               step_time_s from metrics.jsonl
   redo        steps between the loaded state and the failure step, times the median step time
+  lost        total + redo - the median failure-free step: what the failure cost (the first
+              resumed step would have run anyway)
 
 A benchmark, not a test: on a loaded 2-core box read the ratios, not the absolute times.
 """
@@ -76,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     p.add_argument("--timeout", type=float, default=600, help="seconds per job (hard)")
     p.add_argument("--quick", action="store_true", help="hidden 256, 1 layer: a smoke run")
+    p.add_argument("--keep", action="store_true", help="keep the run directories and logs")
     p.add_argument("--out", default=str(ROOT / "bench_out" / "recovery_at_size.json"))
     p.error = lambda msg: p.exit(2, f"recovery_at_size: {msg}\n")  # one line, not the usage
     args = p.parse_args(argv)
@@ -372,6 +377,8 @@ def breakdown(events: list[dict], metrics: list[dict]) -> dict:
     later = [m for m in metrics if m.get("generation", 0) >= gen]
     first = later[0]["step_time_s"] if later else None
     median = statistics.median(times) if times else first
+    slowest = max(rec, key=lambda e: e["latency_ms"])
+    state_s = slowest["load_ms"] / 1e3 if "load_ms" in slowest else None
     row = {
         "failure_step": fail["step"],
         "resumed_step": resumed,
@@ -379,20 +386,24 @@ def breakdown(events: list[dict], metrics: list[dict]) -> dict:
         "median_step_s": median,
         "detection_s": t_det - t_fail,
         "start_s": load_start - t_det,
-        "load_s": max(e["latency_ms"] for e in rec) / 1e3,
+        "load_s": slowest["latency_ms"] / 1e3,
+        "build_s": None if state_s is None else slowest["latency_ms"] / 1e3 - state_s,
+        "state_s": state_s,
         "first_step_s": (t_reg - load_end) + (first or 0.0),
         "redo_s": max(0, fail["step"] - resumed - 1) * (median or 0.0),
         "load_details": sorted({e.get("detail", "") for e in rec}),
     }
     row["total_s"] = row["detection_s"] + row["start_s"] + row["load_s"] + row["first_step_s"]
     row["total_with_redo_s"] = row["total_s"] + row["redo_s"]
+    # what the failure cost: the first step would have run anyway
+    row["lost_s"] = row["total_with_redo_s"] - (median or 0.0)
     return row
 
 
 def print_table(rows: dict, state: int | None) -> None:
     size = f"{state / 1e9:.2f} GB" if state else "?"
     print(f"\n== recovery of 2 ranks, {size} of state per rank: every trainer SIGKILLed")
-    cols = ("detection_s", "start_s", "load_s", "first_step_s", "total_s", "redo_s")
+    cols = ("detection_s", "start_s", "build_s", "state_s", "first_step_s", "total_s", "lost_s")
     print(f"{'source':<8}" + "".join(f"{c[:-2]:>12}" for c in cols) + f"{'redone':>8}  ok")
     for case, r in rows.items():
         cells = "".join(
@@ -437,7 +448,10 @@ def main(argv: list[str] | None = None) -> int:
             out["cases"][case] = run_case(case, args, work, work / "demo", say)
             load.append(os.getloadavg()[0])
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            say(f"kept {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     rows = out["cases"]
     sizes = [r["state_bytes_per_rank"] for r in rows.values() if r.get("state_bytes_per_rank")]
     out["state_bytes_per_rank"] = max(sizes) if sizes else None
@@ -446,11 +460,19 @@ def main(argv: list[str] | None = None) -> int:
     if mem.get("total_s") and disk.get("total_s"):
         out["disk_over_memory"] = disk["total_s"] / mem["total_s"]
         out["disk_over_memory_with_redo"] = disk["total_with_redo_s"] / mem["total_with_redo_s"]
+        out["disk_over_memory_lost"] = disk["lost_s"] / mem["lost_s"]
+        if mem.get("state_s") and disk.get("state_s"):
+            out["disk_over_memory_state"] = disk["state_s"] / mem["state_s"]
     print_table(rows, out["state_bytes_per_rank"])
     if "disk_over_memory" in out:
         print(
             f"disk / memory end to end: {out['disk_over_memory']:.2f}x "
             f"({out['disk_over_memory_with_redo']:.2f}x counting redone steps); goal >= 3x"
+        )
+        print(
+            f"disk / memory, time lost (the first step not counted): "
+            f"{out['disk_over_memory_lost']:.2f}x; the state load alone: "
+            + (f"{out['disk_over_memory_state']:.2f}x" if "disk_over_memory_state" in out else "?")
         )
     print(f"load average (1 min) during the runs: {min(load):.1f} .. {max(load):.1f}")
     write_json(out, args.out, blank_line=False)

@@ -150,6 +150,7 @@ class StateSync:
         m = self.membership
         best, steps = self._exchange_steps(self._mine(), gen, deadline)
         if best < 0 and self.recover is not None:  # every replica was lost: recovery order
+            t0 = time.monotonic()
             recovered = self.recover()
             if recovered is not None:
                 self.plane.next_step, self.has_state = recovered, True
@@ -162,6 +163,7 @@ class StateSync:
                     ranks=[self.rank],
                     generation=gen,
                     latency_ms=1000 * (time.monotonic() - self._started),
+                    load_ms=1000 * (time.monotonic() - t0),
                     detail=f"no live replica: loaded step {recovered} locally",
                 )
             best, steps = self._exchange_steps(self._mine(), gen, deadline)

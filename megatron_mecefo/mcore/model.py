@@ -70,6 +70,9 @@ def build_transformer_config(
         num_layers_in_first_pipeline_stage=stages[0],
         num_layers_in_last_pipeline_stage=stages[1],
         use_cpu_initialization=True,
+        # build_gpt_model sets every parameter afterwards (init_layout_independent): megatron's
+        # own draw would be thrown away (half of a model build)
+        perform_initialization=False,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,

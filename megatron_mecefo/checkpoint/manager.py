@@ -174,7 +174,7 @@ class CheckpointManager(TrainHook):
 
     # ------------------------------------------------------------------ resume
     def resume(self, engine, found: tuple[Path, dict] | None) -> int:
-        """Load `found` (from `find_resume`: validated once, before the engine was built);
+        """Load `found` (from `find_resume`; the caller has checked its files' checksums);
         returns the next step to run (0 when there is nothing to resume)."""
         from megatron_mecefo.mcore import checkpointing
 

@@ -68,9 +68,9 @@ class Recovery:
         self._listed: list[Candidate] | None = None
 
     def candidates(self) -> list[Candidate]:
-        """Newest first; at equal steps, memory before disk. Reads headers and markers only
-        (and validates the disk checkpoint's checksums). Listed once: the next `load` uses
-        this list, so a start that asks first does not hash the checkpoint twice."""
+        """Newest first; at equal steps, memory before disk. Reads slot headers and commit
+        markers only (a checkpoint's files are hashed when it is loaded). Listed once: the next
+        `load` uses this list."""
         if self._listed is None:
             self._listed = self._list()
         return self._listed

@@ -79,11 +79,20 @@ class FencedError(MecefoError):
     exit_code = ExitCode.REJOIN
 
 
-class ShardsLostError(MecefoError):
-    """Every copy of an optimizer shard was lost at once: this rank exits to be restarted, and
-    the job resumes from the newest snapshot or checkpoint (a rollback)."""
+class RollbackError(MecefoError):
+    """The job rolls back to saved state: this rank exits to be restarted, and loads the newest
+    snapshot or checkpoint (no newer than `keys.ROLLBACK_BOUND` when that is set)."""
 
     exit_code = ExitCode.REJOIN
+
+
+class ShardsLostError(RollbackError):
+    """Every copy of an optimizer shard was lost at once: a rollback to the newest saved state."""
+
+
+class DivergedUpdateError(RollbackError):
+    """Two replicas' states differ after an update and neither changed at rest: both redo the
+    update from saved state, to tell which one computed it wrong (`failover/trainer/rerun.py`)."""
 
 
 class JobAbortedError(MecefoError):

@@ -28,8 +28,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         metavar="KIND:RANK:STEP[:DOWN_STEPS]",
         help="inject a real failure (kill | hang | exception | stall | starve) of a global rank at "
-        "a step, or a silent one (nan|spike:RANK:STEP[:persistent|data], bitflip:RANK:STEP, "
-        "slow:RANK:FACTOR:FROM; docs/anomalies.md); repeatable; needs mecefo-launch",
+        "a step, or a silent one (nan|spike:RANK:STEP[:persistent|data], "
+        "bitflip:RANK:STEP[:update], slow:RANK:FACTOR:FROM; docs/anomalies.md); repeatable; "
+        "needs mecefo-launch",
     )
     p.add_argument(
         "--failures",

@@ -217,6 +217,17 @@ def fingerprint(gen: int, step: int, attempt: int, rank: int) -> str:
     return f"fingerprint/{gen}/{step}/{attempt}/{rank}"
 
 
+ROLLBACK_BOUND = "rollback_bound"
+"""The newest step a rollback may load (a restarted rank's recovery ignores newer state), set
+while replicas redo an update they computed differently; deleted once it is resolved."""
+
+
+def divergence(step: int, replica: int, position: int) -> str:
+    """The state fingerprint `replica` (its rank at `position`) held at the start of `step` when
+    the replicas' states differed there and no vote could name the wrong one."""
+    return f"divergence/{step}/{replica}/{position}"
+
+
 def corruptions(replica: int, position: int) -> str:
     """Counter of the times replica `replica`'s state (its rank at `position`) was found to
     differ from the majority's, over every incarnation: the second time, it is evicted."""

@@ -27,7 +27,9 @@ state transfer. Kinds:
              spends (FACTOR - 1) x its compute time so far (a busy loop on CPU, a sleep on GPU)
   bitflip    silent data corruption: at the start of STEP (after the previous update) flip one
              bit of one parameter on RANK (`BITFLIP_BIT` of its first element); caught by the
-             state fingerprint in the commit vote
+             state fingerprint in the commit vote. `bitflip:RANK:STEP:update` flips it inside
+             STEP's update instead (after the optimizer, before the rank notes what its update
+             produced): a fault in the computation, not at rest
 """
 
 from __future__ import annotations
@@ -68,7 +70,8 @@ class InjectionSpec:
     down_steps: int | None = None
     """Steps until the agent restarts the rank (None: its restart delay)."""
     mode: str | None = None
-    """`nan`/`spike` only: None (one attempt), `persistent` or `data` (`NAN_MODES`)."""
+    """`nan`/`spike`: None (one attempt), `persistent` or `data` (`NAN_MODES`); `bitflip`: None
+    (at rest, before STEP) or `update` (inside STEP's update)."""
     factor: float | None = None
     """`slow` only: how many times slower the rank computes."""
 
@@ -78,7 +81,8 @@ def parse_inject(text: str) -> InjectionSpec:
     parts = text.split(":")
     usage = (
         f"--inject {text!r}: expected KIND:RANK:STEP[:DOWN_STEPS] with KIND in {KINDS}, "
-        f"nan|spike:RANK:STEP[:{'|'.join(NAN_MODES)}] or slow:RANK:FACTOR:FROM"
+        f"nan|spike:RANK:STEP[:{'|'.join(NAN_MODES)}], bitflip:RANK:STEP[:update] or "
+        "slow:RANK:FACTOR:FROM"
     )
     if len(parts) not in (3, 4) or parts[0] not in KINDS:
         raise ConfigError(usage)
@@ -88,6 +92,8 @@ def parse_inject(text: str) -> InjectionSpec:
     if parts[0] in NUMERICAL and len(parts) == 4:
         if parts[3] not in NAN_MODES:
             raise ConfigError(usage)
+        mode = parts.pop()
+    elif parts[0] == "bitflip" and len(parts) == 4 and parts[3] == "update":
         mode = parts.pop()
     if not all(p.isdigit() for p in parts[1:] if p != "rejoin"):  # int() would take " 1", "+1"
         raise ConfigError(f"{usage}; RANK, STEP and DOWN_STEPS are plain numbers")
@@ -238,6 +244,14 @@ class Injector(TrainHook):
                 guard.poison_from = step
             else:
                 guard.poison_attempts = 1
+        elif spec.kind == "bitflip" and spec.mode == "update":
+            engine = self._engine
+
+            def flip_once() -> None:
+                engine.after_update.remove(flip_once)
+                flip_bit(engine)
+
+            engine.after_update.append(flip_once)
         elif spec.kind == "bitflip":
             flip_bit(self._engine)
         elif spec.kind == "slow":

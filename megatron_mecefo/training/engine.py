@@ -109,6 +109,9 @@ class Engine:
         self.before_update: list[Callable[[], None]] = []
         """Called just before the optimizer update of a committed step (a snapshot still copying
         the previous state waits here)."""
+        self.after_update: list[Callable[[], None]] = []
+        """Called right after the optimizer's update, before this rank fingerprints its result
+        (fault injection: `bitflip:RANK:STEP:update`)."""
         tc = cfg.training
         self.train_sampler = MicroBatchSampler(
             data.train,
@@ -205,6 +208,8 @@ class Engine:
             held = self.reducer.masked_params if plan.holds_masked_params else ()
             with stack.hold_params(self.optimizer, held):
                 updated, grad_norm, _ = self.optimizer.step()
+            for hook in self.after_update:
+                hook()
             m = self.membership
             if every and (step + 1) % every == 0 and m.compares_fingerprints and m.size == 2:
                 # 2 members cannot outvote each other: each keeps its own mark to name a flip

@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from megatron_mecefo.errors import ShardsLostError
+from megatron_mecefo.errors import RollbackError
 from megatron_mecefo.metrics.logger import MetricsLogger
 from megatron_mecefo.metrics.mfu import mfu, peak_flops
 from megatron_mecefo.training.engine import Engine
@@ -36,7 +36,7 @@ def train(
     hooks = [control, *hooks]
     try:
         return _train(engine, logger, hooks, control, start_step)
-    except ShardsLostError:  # the job rolls back: saves in flight must land first
+    except RollbackError:  # the job rolls back: saves in flight must land first
         for hook in hooks:
             hook.on_rollback(engine)
         raise

@@ -135,6 +135,28 @@ def test_lost_node_memory_is_rebuilt_from_parity(tmp_path, demo_data_dir, shm_ro
     assert len(res.state_digests()) == 3 and len(_digests(res)) == 1
 
 
+def test_a_fault_inside_one_of_two_replicas_update_is_redone_from_the_snapshots(
+    tmp_path, demo_data_dir, straight
+):
+    """bitflip:1:5:update flips a bit inside replica 1's update of step 5, before it notes what
+    the update produced. Step 6's vote finds the two states different and each equal to its own
+    update's result, so no vote can name the wrong one: both roll back to their node's snapshot
+    of step 5 (not the newer one of step 6), redo step 5, and the replica whose first result the
+    redo does not reproduce is named. The job ends where the uninterrupted run ends."""
+    res = launch(
+        tmp_path, demo_data_dir, nproc=2, steps=14, overrides=SNAP, inject=("bitflip:1:5:update",)
+    )
+    assert res.returncode == 0, res.explain()
+    kinds = [(e["type"], e.get("kind"), e["step"], e.get("dp_rank")) for e in res.events()]
+    order = [k for k in kinds if k[0] in ("rollback", "recovery", "classified", "healed")]
+    assert order[0][:3] == ("rollback", None, 6), kinds
+    assert {k[2] for k in order if k[0] == "recovery"} == {5}, kinds  # the state before step 5
+    assert ("classified", "corruption", 6, 1) in order and ("healed", None, 6, 1) in order, kinds
+    assert not any(k[0] == "classified" and k[3] == 0 for k in kinds), kinds
+    assert res.losses() == straight.losses()
+    assert _digests(res) == _digests(straight)
+
+
 def test_restart_mode_restarts_every_rank_from_the_snapshot(tmp_path, demo_data_dir, straight):
     res = launch(
         tmp_path,

@@ -76,6 +76,9 @@ class CommitVote:
         self.last_corrupt: list[int] | None = None
         """Replicas whose state fingerprint differed from the majority's in the last vote (empty:
         no majority), or None."""
+        self.last_fingerprint: int | None = None
+        """This rank's state fingerprint in the last vote (None: that step was not
+        fingerprinted)."""
         self.pace_of: Callable[[int], float | None] | None = None
         """step -> this rank's pace to share with this step's vote, or None (no sharing)."""
         self.last_paces: dict[int, float] | None = None
@@ -109,6 +112,7 @@ class CommitVote:
             self._attempt_gen, self.attempt = m.generation, 0
         g, a = m.generation, self.attempt
         self.last_anomaly = self.last_corrupt = self.last_paces = None
+        self.last_fingerprint = fingerprint
         if self.before_vote is not None:
             self.before_vote(step, g, a)
         pace = self.pace_of(step) if self.pace_of is not None else None

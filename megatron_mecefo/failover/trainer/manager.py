@@ -143,6 +143,7 @@ class FailoverManager(RunControl):
         self.sync.before_transfer = before_transfer
         self.sync.posts_shard_events = self.position == 0
         self.sync.can_recover = cfg.snapshot.interval > 0 or cfg.checkpoint.interval > 0
+        self.rerun.can_roll_back = self.sync.can_recover
         self.regroup = Regroup(
             self.plane,
             self.membership,

@@ -32,8 +32,10 @@ peer's state; the leader posts `healed` once a step commits with it back. The se
 replica's state is found corrupt (counted in the store across incarnations), it is evicted.
 With no majority (2 replicas, a tie), the vote names the replica whose state changed since its
 own last update (a flip at rest, `commit._corrupt`); when that cannot tell either (both intact:
-their updates differed), nobody can be named and the job stops with DATA_ERROR rather than train
-on replicas that disagree.
+their updates differed), every replica rolls back to the saved state before that update and
+redoes it, and the replica whose first result the redo does not reproduce is named (`_diverged`,
+`_redone`). If they differ again, or nothing is saved, the job stops with DATA_ERROR rather than
+train on replicas that disagree.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from megatron_mecefo.control import keys
 from megatron_mecefo.control.records import post_event
 from megatron_mecefo.errors import (
     CorruptStateError,
+    DivergedUpdateError,
     EvictedError,
     NumericalFaultError,
     QuorumTimeoutError,
@@ -75,12 +78,16 @@ class AnomalyRerun:
         self.classified: Counter[str] = Counter()
         self.healing: set[int] = set()
         """Replicas that left to rejoin with a healthy peer's state (corrupt state)."""
+        self.can_roll_back = False
+        """Snapshots or checkpoints are enabled: replicas whose updates differed can redo the
+        update from saved state to tell which one computed it wrong."""
 
     def after_attempt(self, engine, step: int, committed: bool) -> None:
         """Called on every member after each attempt of `step`."""
         if committed:
             self._transient(step)
             self._healed(step)
+            self._redone(step)
             return
         if self.vote.last_corrupt is not None:
             self._corrupt(step, self.vote.last_corrupt)
@@ -110,10 +117,7 @@ class AnomalyRerun:
     def _corrupt(self, step: int, odd: list[int]) -> None:
         store, m = self.plane.store, self.membership
         if not odd:
-            raise NumericalFaultError(
-                f"step {step}: the replicas' states differ and no majority names the wrong one "
-                f"({len(m.members)} replicas); resume from the last checkpoint"
-            )
+            self._diverged(step)
         detail = "state fingerprint differs from the majority's"
         if self.writes_events():
             for r in odd:
@@ -137,6 +141,76 @@ class AnomalyRerun:
             f"replica {m.replica}: state fingerprint at step {step} differs from the majority's; "
             "rejoining with a healthy peer's state"
         )
+
+    def _diverged(self, step: int) -> None:
+        """No vote names the wrong replica: their states differ at the start of `step`, and each
+        still equals what its own last update produced. Every member notes its fingerprint and
+        the job rolls back to the newest saved state before that update (`ROLLBACK_BOUND`); the
+        update is redone from there, and `_redone` names the replica whose first result the
+        redo did not reproduce. Once only: the same divergence after the redo stops the job."""
+        store, m = self.plane.store, self.membership
+        mine = keys.divergence(step, m.replica, self.position)
+        if store.check([mine]) or not self.can_roll_back:
+            why = (
+                "again after every replica redid the update from saved state (a persistent "
+                "fault, or kernels that are not deterministic)"
+                if store.check([mine])
+                else "and nothing is saved to redo the update from (snapshots and checkpoints "
+                "are off)"
+            )
+            raise NumericalFaultError(
+                f"step {step}: the replicas' states differ, no majority names the wrong one "
+                f"({len(m.members)} replicas), {why}; resume from the last checkpoint"
+            )
+        store.set(mine, str(self.vote.last_fingerprint))
+        store.set(keys.ROLLBACK_BOUND, str(step - 1))  # every member: whoever restarts first
+        detail = (
+            f"the replicas' states differ after the update of step {step - 1} and neither changed "
+            "at rest: every replica redoes it from saved state to tell which computed it wrong"
+        )
+        if self.writes_events():
+            post_event(store, "rollback", step=step, dp_rank=None, detail=detail)
+        raise DivergedUpdateError(f"step {step}: {detail}")
+
+    def _redone(self, step: int) -> None:
+        """`step` committed after a rollback that `_diverged` started there: the replicas whose
+        fingerprint then differs from the one they now agree on computed the update wrong."""
+        store, m = self.plane.store, self.membership
+        names = {r: keys.divergence(step, r, self.position) for r in m.members}
+        noted = {r: name for r, name in names.items() if store.check([name])}
+        if not noted:
+            return
+        now = self.vote.last_fingerprint
+        before = dict(zip(noted, (int(v) for v in store.multi_get(list(noted.values())))))
+        wrong = sorted(r for r, fp in before.items() if fp != now)
+        if self.writes_events():
+            store.delete_key(keys.ROLLBACK_BOUND)
+            if len(wrong) == len(before):  # the redo reproduced neither: nobody to blame
+                post_event(
+                    store,
+                    "anomaly",
+                    step=step,
+                    dp_rank=None,
+                    detail=f"no replica reproduced its update of step {step - 1} when redoing "
+                    "it: the job goes on from the redone state",
+                )
+            for r in wrong if len(wrong) < len(before) else ():
+                detail = f"its update of step {step - 1} differed from the redo from saved state"
+                post_event(store, "anomaly", step=step, dp_rank=r, detail=detail)
+                self._post_classified(step, [r], "corruption", f"{detail}; redone")
+                post_event(store, "healed", step=step, dp_rank=r, detail="committed the redo")
+        if m.replica in wrong and len(wrong) < len(before):
+            times = store.add(keys.corruptions(m.replica, self.position), 1)
+            if times >= 2:
+                if self.position == 0:
+                    post_event(
+                        store,
+                        "evicted",
+                        step=step,
+                        dp_rank=m.replica,
+                        detail="computed a wrong state twice",
+                    )
+                raise EvictedError(f"replica {m.replica}: its state was found wrong twice; evicted")
 
     def _healed(self, step: int) -> None:
         back = sorted(r for r in self.healing if r in self.membership.members)

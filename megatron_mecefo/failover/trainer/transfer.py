@@ -151,7 +151,9 @@ class StateSync:
         best, steps = self._exchange_steps(self._mine(), gen, deadline)
         if best < 0 and self.recover is not None:  # every replica was lost: recovery order
             t0 = time.monotonic()
-            recovered = self.recover()
+            # a rollback to redo an update (`rerun.py`) must not load the state it produced
+            bound = keys.get_int(self.plane.store, keys.ROLLBACK_BOUND, -1)
+            recovered = self.recover(bound) if bound >= 0 else self.recover()
             if recovered is not None:
                 self.plane.next_step, self.has_state = recovered, True
                 self.recovered = True

@@ -22,6 +22,10 @@ def test_parse_inject():
         "spike", 1, 3, None, "data"
     )
     assert inject.parse_inject("slow:2:1.5:6") == inject.InjectionSpec("slow", 2, 6, factor=1.5)
+    assert inject.parse_inject("bitflip:1:5") == inject.InjectionSpec("bitflip", 1, 5)
+    assert inject.parse_inject("bitflip:1:5:update") == inject.InjectionSpec(
+        "bitflip", 1, 5, None, "update"
+    )
 
 
 @pytest.mark.parametrize(
@@ -34,6 +38,8 @@ def test_parse_inject():
         "kill:-1:2",
         "kill:1:2:3:4",
         "nan:1:2:sometimes",
+        "nan:1:2:update",
+        "bitflip:1:2:persistent",
         "kill:1:2:data",
         "nan:1:rejoin",
         "spike:1:rejoin",

@@ -235,17 +235,8 @@ class SlotFile:
         except FileNotFoundError:
             raise SnapshotCorruptError(f"{self.path.name}: no such slot") from None
         del data[got:]  # the file shrank while read: the checks below refuse it
-        head = _parse_header(bytes(data[:HEADER]))
-        if head.state != CLEAN:
-            raise SnapshotCorruptError(
-                f"{self.path.name}: not a clean snapshot (state {head.state})"
-            )
-        end = HEADER + head.skeleton + head.payload
-        if len(data) < end or not head.covered:
-            raise SnapshotCorruptError(f"{self.path.name}: truncated ({len(data)} bytes)")
-        if verify and head.body_crc(memoryview(data)[HEADER:end]) != head.crc:
-            raise SnapshotCorruptError(f"{self.path.name}: CRC mismatch (corrupt snapshot)")
-        del data[end:]
+        head = self._verified(data, verify)
+        del data[HEADER + head.skeleton + head.payload :]
         return head, data
 
     def read(
@@ -297,17 +288,18 @@ class SlotFile:
             except BufferError:  # a view still held: the map goes with it
                 pass
 
-    def _verified(self, mm: mmap.mmap, verify: bool) -> SlotHeader:
-        head = _parse_header(mm[:HEADER])
+    def _verified(self, buf: mmap.mmap | bytearray, verify: bool) -> SlotHeader:
+        """The header of the slot whose bytes are `buf`, checked: clean, whole, CRC."""
+        head = _parse_header(bytes(buf[:HEADER]))
         if head.state != CLEAN:
             raise SnapshotCorruptError(
                 f"{self.path.name}: not a clean snapshot (state {head.state})"
             )
         end = HEADER + head.skeleton + head.payload
-        if len(mm) < end or not head.covered:
-            raise SnapshotCorruptError(f"{self.path.name}: truncated ({len(mm)} bytes)")
+        if len(buf) < end or not head.covered:
+            raise SnapshotCorruptError(f"{self.path.name}: truncated ({len(buf)} bytes)")
         if verify:
-            with memoryview(mm) as view:
+            with memoryview(buf) as view:
                 if head.body_crc(view[HEADER:end]) != head.crc:
                     raise SnapshotCorruptError(f"{self.path.name}: CRC mismatch (corrupt snapshot)")
         return head

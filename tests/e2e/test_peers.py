@@ -1,9 +1,11 @@
-"""The peers benchmark (`tools/bench/peers.py`) cannot rot: a short version (one kill, 12 steps,
-the tiny model, 2 replicas) of every runner runs its schedule and produces its row. No timing
-assertions: what is checked is that each system trained every step, that the kill happened and
-was survived, and that the columns are there. Our three live modes share one runner
-(`run_mecefo`, which only adds each mode's overrides): spread-sample runs here, and the
-neighbour's and hybrid's overrides are checked to make a valid run config without a launch.
+"""The peers benchmark (`tools/bench/peers.py`) cannot rot: a short version (one kill, then a
+group kill, 12 steps, the tiny model, 2 replicas) of every runner runs its schedule and produces
+its row. No timing assertions: what is checked is that each system trained every step, that the
+kill and the group kill (the replica's launcher or agent SIGKILLed with its trainer, then a new
+launch in its place) happened and were survived, and that the columns are there. Our three live
+modes share one runner (`run_mecefo`, which only adds each mode's overrides): spread-sample runs
+here, and the neighbour's and hybrid's overrides are checked to make a valid run config without
+a launch.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PEERS = ROOT / "tools" / "bench" / "peers.py"
-STEPS, KILL = 12, 4
+STEPS, KILL, GROUP = 12, 3, 10
 COLUMNS = {
     "step_s",
     "step_vs_torchrun",
@@ -33,6 +35,11 @@ COLUMNS = {
     "heal_bytes",
     "val_loss",
     "max_loss_dev",
+    "group_kill_step",
+    "group_kill_held",
+    "group_kill_to_commit_s",
+    "group_samples_dropped",
+    "group_steps_redone",
 }
 RUN = ("torchrun", "checkpoint-restart", "spread-sample", "snapshot-restart", "torchft")
 """One system per runner (`peers.SYSTEMS` has all 7)."""
@@ -58,12 +65,20 @@ def test_every_live_mode_is_a_valid_run_config(demo_data_dir):
             assert cfg.recovery.mode == "restart", name
 
 
-def test_bad_flag_is_one_line():
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--kills", "4,x"], "--kills"),
+        (["--kills", "4", "--steps", "12", "--group-kill", "3"], "--group-kill '3'"),
+        (["--group-kill", "x"], "--group-kill 'x'"),
+    ],
+)
+def test_bad_flag_is_one_line(flags, says):
     proc = subprocess.run(
-        [sys.executable, str(PEERS), "--kills", "4,x"], capture_output=True, text=True, timeout=60
+        [sys.executable, str(PEERS), *flags], capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("peers.py: error: --kills")
+    assert proc.stderr.strip().splitlines()[-1].startswith(f"peers.py: error: {says}")
     assert "Traceback" not in proc.stderr
 
 
@@ -77,6 +92,8 @@ def test_every_system_runs_its_schedule(tmp_path, demo_data_dir):
         str(STEPS),
         "--kills",
         str(KILL),
+        "--group-kill",
+        str(GROUP),
         "--down-s",
         "0.5",
         "--replicas",
@@ -107,10 +124,23 @@ def test_every_system_runs_its_schedule(tmp_path, demo_data_dir):
         assert sorted({r["step"] for r in traces[name]["rows"]}) == list(range(STEPS)), name
         if name == "torchrun":
             assert row["kills"] == 0 and row["steps_redone"] == 0
+            assert traces[name]["group_kill"] is None and row["group_kill_step"] is None
             continue
-        # the kill fired once, and a step at or after the kill's step committed after it
-        assert row["kills"] == 1, name
-        assert row["kill_to_next_commit_s"][0] is not None, name
+        # the kill and the group kill fired once each, and after each a step at or after its
+        # step committed
+        assert row["kills"] == 2, name
+        assert traces[name]["kill_steps"] == [KILL, GROUP], name
+        assert None not in row["kill_to_next_commit_s"], name
+        assert row["group_kill_step"] == GROUP, name
+        assert row["group_kill_to_commit_s"] == row["kill_to_next_commit_s"][1], name
+        # the whole group died: its top process (torchrun, or our node's agent) was SIGKILLed
+        # itself with what it started, and a new launch in its place ended well
+        group = traces[name]["group_kill"]
+        assert group["victim_rc"] == -9 and group["processes"] >= 2, (name, group)
+        assert group["relaunched"] is True, (name, group)
+        # ours: a standby whose rank was still starting when the job ended finds no store (6)
+        late = (0, 6) if name in ("spread-sample", "snapshot-restart") else (0,)
+        assert group["new_launch_rc"] in late, (name, group)
         assert row["max_loss_dev"] is not None, name
         assert row["samples_counted_twice"] == 0, name
         if name == "torchft":  # torchft trains on without the dead replica's samples
@@ -119,5 +149,7 @@ def test_every_system_runs_its_schedule(tmp_path, demo_data_dir):
             assert row["heal_bytes"] > 100_000, row["heal_bytes"]
         else:  # every other system keeps the global batch
             assert row["samples_dropped"] == 0, name
-    assert table["checkpoint-restart"]["restarts"] == 1  # torchrun restarted the job once
+    # torchrun restarted the job once, then the benchmark launched it again
+    assert table["checkpoint-restart"]["restarts"] == 2
+    assert traces["checkpoint-restart"]["group_kill"]["rejoined"] is True
     assert doc["checkpoint"]["checkpoint_interval"] >= 1

@@ -1,26 +1,28 @@
 """Side by side with the peers: the same job (the demo GPTModel, data order, seed, global batch,
-4 data-parallel replicas on this machine) and the same fault schedule (SIGKILL replica 1's
-trainer at the start of each `--kills` step, back `--down-s` seconds later) on every system, in
-one run. docs/peers.md says how each system is set up and what each column means.
+4 data-parallel replicas on this machine) and the same fault schedule on every system, in one run:
+replica 1's trainer SIGKILLed at the start of each `--kills` step and back `--down-s` seconds
+later, then at `--group-kill` replica 1's whole group (its launcher or agent with its trainer)
+SIGKILLed at once and a new launch in its place `--down-s` later, as a scheduler brings a
+replacement node. docs/peers.md says how each system is set up and what each column means.
 
-    python tools/bench/peers.py                         # 400 steps, kills at 50,175,300
-    python tools/bench/peers.py --quick                 # 20 steps, one kill at step 8
+    python tools/bench/peers.py                     # 400 steps, kills at 50,175,300, group 349
+    python tools/bench/peers.py --quick             # 40 steps, a kill at step 8, group at 30
     python tools/bench/peers.py --systems torchrun,neighbour,torchft --steps 40 --kills 10,20
 
 Systems: torchrun (plain, failure-free: the step-time baseline and the reference loss curve),
-checkpoint-restart (torchrun --max-restarts, dist_checkpointing every K steps, K by Young/Daly),
-neighbour / hybrid / spread-sample (mecefo-launch, in-memory snapshots every step),
-snapshot-restart (mecefo-launch, recovery.mode=restart), torchft (`pip install -e '.[peers]'`).
+checkpoint-restart (torchrun --max-restarts, dist_checkpointing every K steps, K by Young/Daly;
+the group kill takes the whole torchrun, relaunched as a requeue would), neighbour / hybrid /
+spread-sample (mecefo-launch, one agent per replica as simulated nodes, in-memory snapshots every
+step; the group kill takes node 1, a `--standby` agent replaces it), snapshot-restart (the same
+with recovery.mode=restart), torchft (a torchrun per replica group; the group kill takes one
+torchrun, a fresh one heals from its peers; `pip install -e '.[peers]'`).
 Prints a table, writes JSON (`--out`) and a loss-vs-wall-clock figure (`--figure`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,12 +41,23 @@ from bench_common import (  # noqa: E402
     torchrun_command,
     write_json,
 )
+from peers_group import (  # noqa: E402
+    GROUP_MARKER,
+    GroupKill,
+    Job,
+    PeersError,
+    log_fired,
+    marker_fired,
+    run_trainer,
+    step_fired,
+    wait_run,
+)
 from peers_report import columns, plot, print_table, torchft_trace  # noqa: E402
 
 REPLICAS = 4
 """Data-parallel replicas of the benchmark's job (`--replicas`; the test runs 2)."""
 KILL_RANK = 1
-"""The killed replica (and rank: one rank per replica)."""
+"""The killed replica (and rank: one rank per replica), by one kill and by the group kill."""
 MECEFO = {
     "neighbour": ["mecefo.takeover_policy=neighbor"],
     "hybrid": ["mecefo.takeover_policy=hybrid"],
@@ -52,13 +65,7 @@ MECEFO = {
     "snapshot-restart": ["recovery.mode=restart"],
 }
 SYSTEMS = ("torchrun", "checkpoint-restart", *MECEFO, "torchft")
-POLL_S = 0.05
-"""How often a run's metrics.jsonl / events.jsonl are read; a row's time is when it was seen."""
 TORCHFT_HINT = "torchft is not installed: pip install -e '.[peers]' (or torchft==0.2.0)"
-
-
-class PeersError(Exception):
-    """A run failed or timed out (one line)."""
 
 
 def parse_args(argv=None):
@@ -67,6 +74,12 @@ def parse_args(argv=None):
     # back before the next kill (torchft: 5 s heartbeat timeout + a restart of ~5-8 s)
     p.add_argument("--steps", type=int, default=400, help="steps of every run")
     p.add_argument("--kills", default="50,175,300", help="steps at which replica 1 is killed")
+    p.add_argument(
+        "--group-kill",
+        default=None,
+        help="step at which replica 1's whole group is killed (default: half-way from the last "
+        "kill to the end; none: no group kill)",
+    )
     p.add_argument("--down-s", type=float, default=2.0, help="seconds a killed replica stays down")
     p.add_argument(
         "--systems", default=",".join(SYSTEMS), help="comma list, from: " + ", ".join(SYSTEMS)
@@ -74,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--replicas", type=int, default=REPLICAS, help="data-parallel replicas (at least 2)"
     )
-    p.add_argument("--quick", action="store_true", help="--steps 20 --kills 8")
+    p.add_argument("--quick", action="store_true", help="--steps 40 --kills 8 --group-kill 30")
     p.add_argument("--timeout-s", type=float, default=600.0, help="hard limit of each run")
     p.add_argument("--demo-dir", default=".cache/demo_data")
     p.add_argument("--work-dir", default=None, help="run directories (default: a new temp dir)")
@@ -82,7 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--figure", default="bench_out/peers_loss.png")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.kills = 20, "8"
+        args.steps, args.kills = 40, "8"
+        args.group_kill = args.group_kill or "30"
     try:
         args.kill_steps = sorted({int(s) for s in args.kills.split(",") if s.strip()})
     except ValueError:
@@ -95,6 +109,7 @@ def parse_args(argv=None):
         p.error("need --steps >= 4 and at least one kill step")
     if not all(2 <= k < args.steps - 1 for k in args.kill_steps):
         p.error(f"--kills must be steps in 2..{args.steps - 2} (the job runs 0..{args.steps - 1})")
+    args.group_kill = _group_step(p, args)
     if args.down_s < 0:
         p.error("--down-s must be >= 0")
     if args.replicas < 2 or args.replicas <= KILL_RANK:
@@ -102,128 +117,37 @@ def parse_args(argv=None):
     return args
 
 
-# ------------------------------------------------------------------------------ processes
-class Job:
-    """Subprocesses, each in its own process group, killed (the whole group) on close."""
-
-    def __init__(self, log_dir: Path, timeout_s: float):
-        self.procs: list[subprocess.Popen] = []
-        self.log_dir = log_dir
-        self.deadline = time.monotonic() + timeout_s
-
-    def start(self, name: str, cmd: list[str], env: dict) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+def _group_step(p, args) -> int | None:
+    """--group-kill as a step (None: none), after the last kill and before the last step;
+    by default half-way between them (none when they are adjacent)."""
+    last, text = args.kill_steps[-1], args.group_kill
+    if text is None:
+        room = args.steps - 1 - last
+        return last + room // 2 if room >= 2 else None
+    if text.strip().lower() == "none":
+        return None
+    if not text.strip().isdigit() or not last < int(text) < args.steps - 1:
+        p.error(
+            f"--group-kill {text!r}: expected a step after the last kill ({last}) and before "
+            f"the last step ({args.steps - 1}), or none"
         )
-        log.close()
-        self.procs.append(proc)
-        return proc
-
-    def expired(self) -> bool:
-        return time.monotonic() > self.deadline
-
-    def close(self) -> None:
-        """Kill every process still running and all their descendants (torchrun starts its
-        workers in sessions of their own, so its process group does not hold them)."""
-        import psutil
-
-        for proc in self.procs:
-            if proc.poll() is not None:
-                continue
-            try:
-                tree = psutil.Process(proc.pid).children(recursive=True)
-            except psutil.NoSuchProcess:
-                tree = []
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            for child in tree:
-                try:
-                    child.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        for proc in self.procs:
-            proc.wait()
+    return int(text)
 
 
 def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _tail(
-    path: Path, pos: tuple[int, int], now: float, out: list[dict], known: set[str]
-) -> tuple[int, int]:
-    """Append the new complete lines of `path` to `out`, each stamped `seen` = now (`known`: the
-    rows of `out` as read, kept beside it so that a poll does not rebuild it). `pos`:
-    (inode, offset). A file replaced (a new inode: a run started over) or shrunk (in-job recovery
-    keeps the rows before its state, rewriting the file in place) is read again from its start.
-    A row already seen as it is is never added twice: it is kept history, not a step run again
-    (a step run again has its own timings). Always checked, since a poll may catch a rewrite
-    half done."""
-    try:
-        with open(path) as fh:
-            st = os.fstat(fh.fileno())
-            rewritten = st.st_ino != pos[0] or st.st_size < pos[1]
-            offset = 0 if rewritten else pos[1]
-            fh.seek(offset)
-            chunk = fh.read()
-    except FileNotFoundError:
-        return pos
-    lines = chunk.split("\n")
-    for line in lines[:-1]:
-        if line.strip():
-            row = json.loads(line)
-            text = json.dumps(row)
-            if text not in known:
-                known.add(text)
-                out.append({**row, "seen": now})
-    return st.st_ino, offset + len(chunk) - len(lines[-1])
+# ------------------------------------------------------------------------------ traces
+def with_kills(trace: dict, kills: list[tuple[int, float]], group: dict | None) -> dict:
+    """`trace` with its kills: (step, epoch s) of each single kill that fired, then the group
+    kill's (`GroupKill.record()` and whether the new launch trained before the end)."""
+    steps = [s for s, _ in kills] + ([group["step"]] if group else [])
+    times = [t for _, t in kills] + ([group["time"]] if group else [])
+    return {**trace, "kill_steps": steps, "kill_times": times, "group_kill": group}
 
 
-def _log_tail(job: Job, name: str) -> str:
-    text = (job.log_dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
-    return " | ".join(text[-3:])[-400:]
-
-
-def run_trainer(name: str, cmd: list[str], run_dir: Path, args, env: dict) -> dict:
-    """One run of our trainer (any launcher): metrics and events tailed as they appear."""
-    job = Job(run_dir.parent, args.timeout_s)
-    rows: list[dict] = []
-    events: list[dict] = []
-    offsets = [(0, 0), (0, 0)]
-    known: tuple[set[str], set[str]] = (set(), set())
-    start = time.time()
-    last_print = 0.0
-    try:
-        proc = job.start(name, cmd, env)
-        while True:
-            done = proc.poll() is not None
-            now = time.time()
-            offsets[0] = _tail(run_dir / "metrics.jsonl", offsets[0], now, rows, known[0])
-            offsets[1] = _tail(run_dir / "events.jsonl", offsets[1], now, events, known[1])
-            if done:
-                break
-            if job.expired():
-                raise PeersError(f"{name}: no result within {args.timeout_s:.0f} s")
-            if rows and now - last_print > 5:
-                print(f"[peers]   {name}: step {rows[-1]['step'] + 1}/{args.steps}", flush=True)
-                last_print = now
-            time.sleep(POLL_S)
-        if proc.returncode != 0:
-            raise PeersError(f"{name} exited {proc.returncode}: {_log_tail(job, name)}")
-    finally:
-        job.close()
-    wall = time.time() - start
-    summary_path = run_dir / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    return {"start": start, "wall_s": wall, "rows": rows, "events": events, "summary": summary}
-
-
-def trainer_trace(
-    raw: dict, ctx: dict, kill_times: list[float], *, restarts=None, live_heal: bool = False
-) -> dict:
+def trainer_trace(raw: dict, ctx: dict, *, restarts=None, live_heal: bool = False) -> dict:
     """The common trace of a run of our trainer: committed rows (step, time, loss, samples).
     `live_heal`: the rejoins' bytes are what healing moved (not a restart from saved state)."""
     per_micro = ctx["micro_batch_size"]
@@ -246,25 +170,39 @@ def trainer_trace(
         "wall_s": raw["wall_s"],
         "rows": rows,
         "global_batch": ctx["global_batch"],
-        "kill_times": kill_times,
         "uncommitted_attempts": fo.get("steps_redone", 0),
+        "redo_times": [t for _, t in _event_times(raw["events"], "step_redone")],
         "heal_bytes": sum(rejoin_bytes) if live_heal and rejoin_bytes else None,
         "val_loss": val[-1] if val else None,
         "restarts": restarts,
     }
 
 
-def _event_kill_times(events: list[dict]) -> list[float]:
-    """Epoch times of the failures in events.jsonl: `time_s` is since the run's start, whose
-    epoch time is bounded by the earliest (seen - time_s) over all events."""
+def _event_times(events: list[dict], kind: str) -> list[tuple[dict, float]]:
+    """(event, epoch s) of the events of type `kind` in events.jsonl: `time_s` is since the
+    run's start, whose epoch time is bounded by the earliest (seen - time_s) over all events."""
     if not events:
         return []
     run_start = min(e["seen"] - e["time_s"] for e in events)
-    return [run_start + e["time_s"] for e in events if e.get("type") == "failure"]
+    return [(e, run_start + e["time_s"]) for e in events if e["type"] == kind]
 
 
-def _marker_times(kill_dir: Path) -> list[float]:
-    return sorted(float(f.read_text()) for f in kill_dir.glob("*s*") if f.read_text())
+def _injected_kills(events: list[dict], kill_steps: list[int]) -> list[tuple[int, float]]:
+    """(scheduled step, epoch s) of the `--inject kill` failures in events.jsonl (not the group
+    kill's stall). A failure event's step is the job's step when it failed, the kill's or the
+    one before: its kill is the first scheduled at or after it."""
+    out = []
+    for e, t in _event_times(events, "failure"):
+        later = [k for k in kill_steps if k >= e["step"]]
+        if "injected kill" in e.get("detail", "") and later:
+            out.append((later[0], t))
+    return out
+
+
+def _markers(kill_dir: Path) -> list[tuple[int, float]]:
+    """(step, epoch s) of the kill markers (`s<STEP>` or `r<R>_s<STEP>`, holding the time)."""
+    found = [(int(f.name.rsplit("s", 1)[1]), f.read_text()) for f in kill_dir.glob("*s*")]
+    return sorted(((s, float(t)) for s, t in found if t), key=lambda st: st[1])
 
 
 # --------------------------------------------------------------------------------- systems
@@ -275,22 +213,24 @@ def _train_args(args, run_dir: Path, *extra: str) -> list[str]:
     )
 
 
-def runtorchrun_command(args, work: Path, ctx: dict) -> dict:
+def _one_process(name: str, cmd: list[str], env: dict):
+    return lambda job: job.start(name, cmd, env)
+
+
+def run_plain_torchrun(args, work: Path, ctx: dict) -> dict:
     """Plain torchrun, failure-free; one synchronous checkpoint after the last step measures
     the cost of a save (Young/Daly's C: training waits for it)."""
     run_dir = work / "torchrun" / "run"
     run_dir.parent.mkdir(parents=True)
-    cmd = torchrun_command(
-        args.replicas,
-        [
-            "-m",
-            "megatron_mecefo.train",
-            *_train_args(args, run_dir, *_sync_ckpt(args.steps)),
-        ],
+    train = _train_args(args, run_dir, *_sync_ckpt(args.steps))
+    cmd = torchrun_command(args.replicas, ["-m", "megatron_mecefo.train", *train])
+    job = Job(run_dir.parent, args.timeout_s)
+    launch = _one_process("torchrun", cmd, _env())
+    raw = run_trainer(
+        "torchrun", job, run_dir, args.steps, GroupKill(None, 0), launch=launch, main="torchrun"
     )
-    raw = run_trainer("torchrun", cmd, run_dir, args, _env())
     ctx["checkpoint_s"] = (raw["summary"].get("checkpoint") or {}).get("mean_save_block_s")
-    return trainer_trace(raw, ctx, [])
+    return with_kills(trainer_trace(raw, ctx), [], None)
 
 
 def _sync_ckpt(interval: int) -> list[str]:
@@ -299,16 +239,26 @@ def _sync_ckpt(interval: int) -> list[str]:
     return [f"checkpoint.interval={interval}", "checkpoint.async_save=false"]
 
 
+def failures(args) -> int:
+    """The schedule's failures: its kills and the group kill."""
+    return len(args.kill_steps) + (args.group_kill is not None)
+
+
 def young_daly_interval(args, step_s: float, checkpoint_s: float) -> int:
-    """K = sqrt(2 C MTBF) in steps, MTBF = the schedule's failure-free time / its kills."""
-    mtbf_s = args.steps * step_s / len(args.kill_steps)
+    """K = sqrt(2 C MTBF) in steps, MTBF = the schedule's failure-free time / its failures."""
+    mtbf_s = args.steps * step_s / failures(args)
     return max(1, round(math.sqrt(2 * checkpoint_s * mtbf_s) / step_s))
 
 
 def run_checkpoint_restart(args, work: Path, ctx: dict) -> dict:
-    run_dir = work / "checkpoint-restart" / "run"
+    """The job under one torchrun: a kill restarts it in place (--max-restarts); the group kill
+    takes the torchrun and its workers, and the same command runs again `--down-s` later (a
+    Slurm requeue); either way it resumes from the newest checkpoint."""
+    name = "checkpoint-restart"
+    run_dir = work / name / "run"
     kill_dir = run_dir.parent / "kills"
     kill_dir.mkdir(parents=True)
+    marker = run_dir.parent / GROUP_MARKER
     k = ctx["checkpoint_interval"]
     extra = _sync_ckpt(k)
     cmd = torchrun_command(
@@ -322,104 +272,162 @@ def run_checkpoint_restart(args, work: Path, ctx: dict) -> dict:
         "PEERS_KILL_RANK": str(KILL_RANK),
         "PEERS_KILL_DIR": str(kill_dir),
         "PEERS_DOWN_S": str(args.down_s),
+        "PEERS_GROUP_KILL": "" if args.group_kill is None else str(args.group_kill),
+        "PEERS_GROUP_MARKER": str(marker),
     }
-    raw = run_trainer("checkpoint-restart", cmd, run_dir, args, env)
-    kills = _marker_times(kill_dir)
-    trace = trainer_trace(raw, ctx, kills, restarts=len(kills))
-    trace["checkpoint_interval"] = k
-    return trace
+
+    def relaunch(job: Job):
+        return job.start(f"{name}.relaunch", cmd, env, role=name)
+
+    job = Job(run_dir.parent, args.timeout_s)
+    # the whole job holds at the step: it cannot go past it while the rank is down
+    group = GroupKill(args.group_kill, args.down_s, name, marker_fired(marker), relaunch=relaunch)
+    launch = _one_process(name, cmd, env)
+    raw = run_trainer(name, job, run_dir, args.steps, group, launch=launch, main=name)
+    kills = _markers(kill_dir)
+    trace = trainer_trace(raw, ctx, restarts=len(kills) + bool(group.relaunched))
+    record = group.record()
+    if record is not None:
+        record["rejoined"] = bool(group.relaunched)  # the new launch is the whole job
+    return {**with_kills(trace, kills, record), "checkpoint_interval": k}
 
 
 def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
+    """Ours: one `mecefo-launch` agent per replica, simulated nodes of one rank (node 0 hosts
+    the tcp store and the coordinator). A kill is `--inject kill:1:STEP` (node 1's agent
+    restarts the rank); the group kill holds rank 1 at its step (`--inject stall`, seen in node
+    1's log) and SIGKILLs node 1's whole tree (agent, fork server, trainer, snapshot process);
+    `--down-s` later a `--standby` agent registers and takes node 1 once the coordinator
+    declares it lost."""
+    from megatron_mecefo.errors import ExitCode
     from megatron_mecefo.failover.node.agent_cli import launch_command
 
     run_dir = work / name / "run"
     run_dir.parent.mkdir(parents=True)
-    inject = [x for k in args.kill_steps for x in ("--inject", f"kill:{KILL_RANK}:{k}")]
+    g = args.group_kill
+    inject = [f"kill:{KILL_RANK}:{k}" for k in args.kill_steps]
+    inject += [] if g is None else [f"stall:{KILL_RANK}:{g}"]
+    inject = [x for i in inject for x in ("--inject", i)]
     train = _train_args(args, run_dir, "snapshot.interval=1", *MECEFO[name], *inject)
-    cmd = launch_command(
-        train, nproc_per_node=args.replicas, flags=["--restart-delay-s", str(args.down_s)]
+    port = free_port()
+
+    def agent(node: int, *flags: str) -> list[str]:
+        where = ("--coordinator", f"127.0.0.1:{port}") if node else ("--coordinator-port", port)
+        flags = ("--restart-delay-s", str(args.down_s), *map(str, where), *flags)
+        return launch_command(
+            train, nproc_per_node=1, nnodes=args.replicas, node_rank=node, flags=flags
+        )
+
+    def launch(job: Job) -> None:
+        for node in range(args.replicas):
+            job.start(f"node{node}", agent(node), _env())
+
+    def relaunch(job: Job):
+        if job.roles["node0"].poll() is not None:
+            return None  # the job ended while the node was down: nothing to replace
+        return job.start("standby", agent(args.replicas, "--standby"), _env())
+
+    victim = f"node{KILL_RANK}"
+    held = log_fired(run_dir.parent / f"{victim}.log", f"stall at step {g}")
+    group = GroupKill(
+        g, args.down_s, victim, held, step_fired(run_dir / "metrics.jsonl", g), relaunch
     )
-    raw = run_trainer(name, cmd, run_dir, args, _env())
-    kills = _event_kill_times(raw["events"])
-    live_heal = name != "snapshot-restart"
-    return trainer_trace(raw, ctx, kills, restarts=len(kills), live_heal=live_heal)
+    # a replacement whose rank was still starting when the job ended finds no store: exit 6
+    late = {"standby": (int(ExitCode.COORDINATOR_LOST),)}
+    job = Job(run_dir.parent, args.timeout_s)
+    raw = run_trainer(
+        name, job, run_dir, args.steps, group, launch=launch, main="node0", others=late
+    )
+    kills = _injected_kills(raw["events"], args.kill_steps)
+    trace = trainer_trace(
+        raw, ctx, restarts=len(kills) + bool(group.relaunched), live_heal=name != "snapshot-restart"
+    )
+    record = group.record()
+    if record is not None:
+        record["rejoined"] = any(e["type"] == "node_replaced" for e in raw["events"])
+    return with_kills(trace, kills, record)
 
 
 def run_torchft(args, work: Path, ctx: dict) -> dict:
     """4 replica groups, each `torchrun --nproc-per-node 1 --max-restarts N`, and torchft's
     lighthouse in this process (min_replicas 1, quorum tick 100 ms, join timeout 10 s: the
-    values of torchft's README)."""
+    values of torchft's README). The group kill takes replica 1's torchrun and its worker;
+    `--down-s` later a fresh torchrun for replica 1 heals from its peers."""
     from torchft._torchft import LighthouseServer
 
     out = work / "torchft"
     out.mkdir(parents=True)
+    g = args.group_kill
     worker = [
         str(ROOT / "tools" / "bench" / "peers_torchft.py"),
-        "--steps",
-        str(args.steps),
-        "--out-dir",
-        str(out),
-        "--demo-dir",
-        args.demo_dir,
-        "--replicas",
-        str(args.replicas),
+        *("--steps", str(args.steps), "--out-dir", str(out), "--demo-dir", args.demo_dir),
+        *("--replicas", str(args.replicas), "--kill-replica", str(KILL_RANK)),
+        *("--kills", ",".join(map(str, args.kill_steps)), "--down-s", str(args.down_s)),
+        *("--group-kill", str(-1 if g is None else g)),
     ]
+
+    def group_cmd(r: int, *extra: str) -> list[str]:
+        return [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1"),
+            *("--nproc-per-node", "1", "--max-restarts", str(len(args.kill_steps) + 1)),
+            *("--master-port", str(free_port()), *worker, "--replica", str(r), *extra),
+        ]
+
+    base = {}
+
+    def relaunch(job: Job):
+        # its incarnations so far: the first, then one per kill that fired
+        base["n"] = 1 + len(list((out / "kills").glob(f"r{KILL_RANK}_s*")))
+        cmd = group_cmd(KILL_RANK, "--incarnation-base", str(base["n"]))
+        return job.start(f"replica{KILL_RANK}.relaunch", cmd, env, role=f"replica{KILL_RANK}")
+
     job = Job(out, args.timeout_s)
+    held, passed = marker_fired(out / GROUP_MARKER), step_fired(out / "rows_replica0.jsonl", g)
+    group = GroupKill(g, args.down_s, f"replica{KILL_RANK}", held, passed, relaunch)
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=10000, quorum_tick_ms=100
     )
+    env = {**_env(), "TORCHFT_LIGHTHOUSE": lighthouse.address()}
     start = time.time()
     try:
         prep = job.start("prepare", [sys.executable, *worker, "--prepare-only"], _env())
-        _wait(job, [prep], "torchft data preparation")
-        env = {**_env(), "TORCHFT_LIGHTHOUSE": lighthouse.address()}
-        kills = ",".join(map(str, args.kill_steps))
-        procs = []
+        _wait(job, GroupKill(None, 0), [prep], "torchft data preparation")
         for r in range(args.replicas):
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "1",
-                "--nproc-per-node",
-                "1",
-                "--max-restarts",
-                str(len(args.kill_steps) + 1),
-                "--master-port",
-                str(free_port()),
-                *worker,
-                "--replica",
-                str(r),
-                "--kills",
-                kills,
-                "--kill-replica",
-                str(KILL_RANK),
-                "--down-s",
-                str(args.down_s),
-            ]
-            procs.append(job.start(f"replica{r}", cmd, env))
-        _wait(job, procs, "torchft", progress=out / "rows_replica0.jsonl", steps=args.steps)
+            job.start(f"replica{r}", group_cmd(r), env)
+        _wait(job, group, None, "torchft", progress=out / "rows_replica0.jsonl", steps=args.steps)
     finally:
         job.close()
         lighthouse.shutdown()
     wall = time.time() - start
-    trace = torchft_trace(out, args.replicas, start, wall, _marker_times(out / "kills"))
-    return {**trace, "global_batch": ctx["global_batch"]}
+    record = group.record()
+    if record is not None:
+        rows = read_jsonl(out / f"rows_replica{KILL_RANK}.jsonl")
+        record["rejoined"] = any(
+            r.get("incarnation") == base.get("n") and r.get("committed") for r in rows
+        )
+    trace = torchft_trace(out, args.replicas, start, wall)
+    if group.relaunched:  # counted even if it never trained (its rows count the others)
+        trace["restarts"] = max(trace["restarts"], base["n"])
+    kills = _markers(out / "kills")
+    return {**with_kills(trace, kills, record), "global_batch": ctx["global_batch"]}
 
 
-def _wait(job: Job, procs, what: str, progress: Path | None = None, steps: int = 0) -> None:
-    last_print = time.time()
-    while any(p.poll() is None for p in procs):
-        if job.expired():
-            raise PeersError(f"{what}: no result within the time limit")
-        if progress is not None and time.time() - last_print > 5 and progress.exists():
+def _wait(job: Job, group: GroupKill, procs, what: str, progress=None, steps: int = 0) -> None:
+    """Until `procs` (None: every role's current process) have exited; each must exit 0 but
+    the one the group kill killed."""
+    last_print = [time.time()]
+
+    def current():
+        return list(job.roles.values()) if procs is None else procs
+
+    def show() -> None:
+        if progress is not None and time.time() - last_print[0] > 5 and progress.exists():
             done = sum(1 for r in read_jsonl(progress) if r.get("committed"))
             print(f"[peers]   {what}: replica 0 committed {done}/{steps} steps", flush=True)
-            last_print = time.time()
-        time.sleep(POLL_S)
-    bad = [p for p in procs if p.returncode != 0]
+            last_print[0] = time.time()
+
+    wait_run(job, group, lambda: all(p.poll() is not None for p in current()), what, show)
+    bad = [p for p in current() if p.returncode != 0 and p is not group.killed]
     if bad:
         raise PeersError(f"{what} exited {bad[0].returncode} (logs in {job.log_dir})")
 
@@ -436,7 +444,7 @@ def batch_sizes(replicas: int) -> dict:
 
 def run_system(name: str, args, work: Path, ctx: dict) -> dict:
     if name == "torchrun":
-        return runtorchrun_command(args, work, ctx)
+        return run_plain_torchrun(args, work, ctx)
     if name == "checkpoint-restart":
         return run_checkpoint_restart(args, work, ctx)
     if name == "torchft":
@@ -463,9 +471,11 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     ctx: dict = batch_sizes(args.replicas)
     traces: dict[str, dict] = {}
+    group = "none" if args.group_kill is None else f"at step {args.group_kill}"
     print(
         f"[peers] {len(systems)} systems, {args.steps} steps, {args.replicas} replicas, kill "
-        f"replica {KILL_RANK} at steps {args.kill_steps}, down {args.down_s} s; run dirs in {work}",
+        f"replica {KILL_RANK} at steps {args.kill_steps}, its whole group {group}, down "
+        f"{args.down_s} s; run dirs in {work}",
         flush=True,
     )
     try:
@@ -476,16 +486,22 @@ def main(argv=None) -> int:
                 ctx["checkpoint_interval"] = young_daly_interval(args, step_s, cost)
                 print(
                     f"[peers] Young/Daly: checkpoint {cost:.3f} s, step {step_s:.3f} s, MTBF "
-                    f"{args.steps * step_s / len(args.kill_steps):.1f} s -> every "
+                    f"{args.steps * step_s / failures(args):.1f} s -> every "
                     f"{ctx['checkpoint_interval']} steps",
                     flush=True,
                 )
             print(f"[peers] {name} ...", flush=True)
             t0 = time.time()
-            traces[name] = {**run_system(name, args, work, ctx), "kill_steps": []}
-            if name != "torchrun":
-                traces[name]["kill_steps"] = args.kill_steps
+            traces[name] = run_system(name, args, work, ctx)
             print(f"[peers] {name}: done in {time.time() - t0:.1f} s", flush=True)
+            group = traces[name].get("group_kill")
+            if group and not group["held"]:
+                print(
+                    f"[peers] note: {name}: replica {KILL_RANK} was still down at step "
+                    f"{group['step']}, so its group was killed as the job went past it (the "
+                    "group figures are marked *); leave more steps after the last kill",
+                    flush=True,
+                )
     except PeersError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 1
@@ -505,6 +521,7 @@ def main(argv=None) -> int:
             "replicas": args.replicas,
             "kill_replica": KILL_RANK,
             "kill_steps": args.kill_steps,
+            "group_kill_step": args.group_kill,
             "down_s": args.down_s,
         },
         "checkpoint": {k: ctx.get(k) for k in ("checkpoint_s", "checkpoint_interval")},

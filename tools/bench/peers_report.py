@@ -4,25 +4,39 @@ rows merged into one row per committed step).
 
 A trace: `start` (epoch s), `wall_s`, `rows` (one per committed step, in commit order: `step`,
 `time` epoch s, `loss` of the global batch, `samples` it trained on; a step committed again after
-a rollback has a second row), `kill_times` (epoch s), `uncommitted_attempts` (step attempts the
-system redid without logging them), `global_batch` (samples), `heal_bytes` (the serialised state
-that rejoining or healing replicas received; None: none did, or they restarted from saved
-state), `val_loss` (None: not measured), `restarts` and `kill_steps` (the schedule).
+a rollback has a second row), `kill_times` (epoch s) and `kill_steps` of the kills that fired,
+the group kill last, `group_kill` (None, or its `step`, `time`, `processes` killed, whether it was
+`relaunched` and the new launch `rejoined` before the end), `uncommitted_attempts` (step attempts
+the system redid without logging them) and `redo_times` (epoch s of those it dates),
+`global_batch` (samples), `heal_bytes` (the serialised state that rejoining or healing replicas
+received; None: none did, or they restarted from saved state), `val_loss` (None: not measured),
+`restarts`.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 
 from bench_common import cell, read_jsonl
 
+GROUP_COLUMNS = (
+    "group_kill_step",
+    "group_kill_held",
+    "group_kill_to_commit_s",
+    "group_samples_dropped",
+    "group_steps_redone",
+)
+"""The group kill's own columns (`_group_columns`)."""
 
-def torchft_trace(out: Path, replicas: int, start: float, wall_s: float, kills) -> dict:
+
+def torchft_trace(out: Path, replicas: int, start: float, wall_s: float) -> dict:
     """One row per committed step from the replicas' rows: the latest replica's commit time, the
-    mean local loss of the participating replicas, participants x their batch in samples."""
+    mean local loss of the participating replicas, participants x their batch in samples (the
+    kills are the benchmark's to add)."""
     by_step: dict[int, list[dict]] = {}
-    uncommitted = set()
+    uncommitted: dict[int, float] = {}  # a step no replica committed: its first attempt's end
     val = None
     heal: list[int] = []
     for r in range(replicas):
@@ -32,7 +46,7 @@ def torchft_trace(out: Path, replicas: int, start: float, wall_s: float, kills) 
             elif "heal_bytes" in row:
                 heal.append(row["heal_bytes"])
             elif not row["committed"]:
-                uncommitted.add(row["step"])
+                uncommitted[row["step"]] = min(row["time"], uncommitted.get(row["step"], math.inf))
             elif row["participating"]:
                 by_step.setdefault(row["step"], []).append(row)
     rows = []
@@ -55,8 +69,8 @@ def torchft_trace(out: Path, replicas: int, start: float, wall_s: float, kills) 
         "start": start,
         "wall_s": wall_s,
         "rows": rows,
-        "kill_times": list(kills),
         "uncommitted_attempts": len(uncommitted),
+        "redo_times": sorted(uncommitted.values()),
         "heal_bytes": sum(heal) if heal else None,  # state dicts its HTTP transport delivered
         "val_loss": val,
         "restarts": restarts,
@@ -94,10 +108,8 @@ def columns(traces: dict[str, dict], baseline: str | None) -> dict[str, dict]:
         gb = t["global_batch"]
         dropped = sum(max(0, gb - r["samples"]) for r in final.values())
         twice = sum(max(0, r["samples"] - gb) for r in final.values())
-        heal = []  # the first commit of the kill's step or a later one, after the kill
-        for k_step, k in zip(t["kill_steps"], t["kill_times"], strict=False):
-            after = [r["time"] for r in rows if r["time"] > k and r["step"] >= k_step]
-            heal.append(min(after) - k if after else None)
+        kills = zip(t["kill_steps"], t["kill_times"], strict=True)
+        heal = [_next_commit(rows, step, k) for step, k in kills]
         devs = [abs(r["loss"] - base_loss[s]) for s, r in final.items() if s in base_loss]
         step_s = _step_s(t)
         out[name] = {
@@ -115,8 +127,37 @@ def columns(traces: dict[str, dict], baseline: str | None) -> dict[str, dict]:
             "heal_bytes": t["heal_bytes"],
             "val_loss": t["val_loss"],
             "max_loss_dev": max(devs) if devs and name != baseline else None,
+            **_group_columns(t, final, gb),
         }
     return out
+
+
+def _next_commit(rows: list[dict], step: int, kill: float) -> float | None:
+    """Seconds from a kill to the first commit of its step or a later one after it."""
+    after = [r["time"] for r in rows if r["time"] > kill and r["step"] >= step]
+    return min(after) - kill if after else None
+
+
+def _group_columns(t: dict, final: dict[int, dict], gb: int) -> dict:
+    """The group kill's own figures: whether the group's trainer held at its step (False: it
+    was still down, and the group was killed as the job went past the step); kill -> next
+    commit; the samples the steps from its step on dropped; the steps redone after it (commits
+    of a step committed before it, and the attempts the system dates after it). All None
+    without a group kill."""
+    g = t.get("group_kill")
+    if not g:
+        return dict.fromkeys(GROUP_COLUMNS)
+    before = {r["step"] for r in t["rows"] if r["time"] <= g["time"]}
+    again = sum(1 for r in t["rows"] if r["time"] > g["time"] and r["step"] in before)
+    redo = sum(1 for x in t.get("redo_times") or [] if x > g["time"])
+    dropped = sum(max(0, gb - r["samples"]) for s, r in final.items() if s >= g["step"])
+    return {
+        "group_kill_step": g["step"],
+        "group_kill_held": g["held"],
+        "group_kill_to_commit_s": _next_commit(t["rows"], g["step"], g["time"]),
+        "group_samples_dropped": dropped,
+        "group_steps_redone": again + redo,
+    }
 
 
 def _c(value, width: int, spec: str = ".2f", scale: float = 1.0) -> str:
@@ -127,7 +168,7 @@ def print_table(table: dict[str, dict]) -> None:
     print(
         f"{'system':<19}{'step ms':>8}{'vs trun':>8}{'wall s':>7}{'goodput':>8}"
         f"{'kill->commit s':>18}{'redone':>7}{'dropped':>8}{'heal MB':>8}{'val loss':>9}"
-        f"{'max dev':>8}"
+        f"{'max dev':>8}{'group: s':>9}{'redone':>7}{'dropped':>8}"
     )
     for name, c in table.items():
         heal = [h for h in c["kill_to_next_commit_s"] if h is not None]
@@ -138,10 +179,15 @@ def print_table(table: dict[str, dict]) -> None:
             f"{c['wall_s']:7.1f}{c['goodput_samples_per_s']:8.1f}  {heal_s:>16}"
             f"{c['steps_redone']:7d}{c['samples_dropped']:8d}{_c(mb, 8)}"
             f"{_c(c['val_loss'], 9, '.4f')}{_c(c['max_loss_dev'], 8, '.4f')}"
+            f"{_c(c['group_kill_to_commit_s'], 8)}{'*' if c['group_kill_held'] is False else ' '}"
+            f"{_c(c['group_steps_redone'], 7, 'd')}"
+            f"{_c(c['group_samples_dropped'], 8, 'd')}"
         )
     print(
         "goodput: committed samples / wall s; kill->commit: from each kill to the next committed "
-        "step; val loss after the last step; max dev: largest |loss - torchrun's| at a step"
+        "step (the group kill last); val loss after the last step; max dev: largest |loss - "
+        "torchrun's| at a step; group: the group kill's kill->commit, steps redone after it and "
+        "samples dropped from its step on (*: replica 1 was still down at the group-kill step)"
     )
 
 

@@ -7,7 +7,10 @@ replicas start, so that they never race to write it.
 Writes one JSONL row per step attempt to `OUT_DIR/rows_replica<R>.jsonl` (step, wall time, local
 loss, committed, participants, participating, incarnation) and SIGKILLs itself at the start of
 each `--kills` step (once: a marker file in `OUT_DIR/kills`); a restarted incarnation stays down
-until the kill's time plus `--down-s`, as the other systems' replicas do.
+until the kill's time plus `--down-s`, as the other systems' replicas do. At `--group-kill` it
+writes `OUT_DIR/group_kill` and waits for the benchmark to kill its torchrun with it; the fresh
+torchrun the benchmark starts later passes `--incarnation-base` (its incarnation numbers go on
+from the killed group's, and it does not wait for the other groups' first start again).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_common  # noqa: E402
+from peers_group import GROUP_MARKER, hold_for_kill  # noqa: E402
 
 STARTUP_WAIT_S = 300.0
 """Bound on waiting for every replica's first incarnation to be ready."""
@@ -40,6 +44,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kills", default="", help="STEP,STEP,... at which --kill-replica dies")
     p.add_argument("--kill-replica", type=int, default=1)
     p.add_argument("--down-s", type=float, default=2.0)
+    p.add_argument("--group-kill", type=int, default=-1, help="step of the group kill (-1: none)")
+    p.add_argument(
+        "--incarnation-base",
+        type=int,
+        default=0,
+        help="a relaunched group: its first incarnation's number (the killed group's count)",
+    )
     p.add_argument("--prepare-only", action="store_true")
     p.add_argument("overrides", nargs="*", help="run-config key=value overrides")
     return p.parse_args(argv)
@@ -101,8 +112,8 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir)
     kill_dir = out_dir / "kills"
     kill_dir.mkdir(parents=True, exist_ok=True)
-    incarnation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if incarnation:
+    incarnation = args.incarnation_base + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if incarnation:  # restarted or relaunched: every group has started before
         wait_down(kill_dir, args.replica, args.down_s)
         if (out_dir / "done").exists():
             return 0
@@ -206,7 +217,7 @@ def train(cfg, data, args, out_dir: Path, kill_dir: Path, incarnation: int) -> N
     tc = cfg.training
     model, sampler, manager, ddp, optimizer, transport = build(cfg, data, args)
     healed = 0
-    if incarnation == 0:
+    if incarnation == 0:  # a relaunched group (incarnation_base > 0) does not wait again
         wait_ready(out_dir, args.replica, args.replicas)
     kills = {int(s) for s in args.kills.split(",") if s}
     rows = open(out_dir / f"rows_replica{args.replica}.jsonl", "a", buffering=1)
@@ -217,6 +228,9 @@ def train(cfg, data, args, out_dir: Path, kill_dir: Path, incarnation: int) -> N
             marker.write_text(str(time.time()))
             print(f"[peers] torchft replica {args.replica}: kill at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        group = out_dir / GROUP_MARKER
+        if args.replica == args.kill_replica and step == args.group_kill and not group.exists():
+            hold_for_kill(group, f"torchft replica {args.replica} step {step}")
         optimizer.zero_grad()  # starts the quorum (async, overlapping the forward)
         loss = 0.0
         for m in range(tc.num_microbatches):  # accumulate; all-reduce on the last backward only

@@ -16,10 +16,13 @@ def section_peers(ctx: Any, doc: dict) -> list[str]:
     out = [
         f"The same job on every system: the demo GPTModel, {s.get('replicas', '?')} data-parallel "
         f"replicas, {s.get('steps', '?')} steps; replica {s.get('kill_replica', '?')} SIGKILLed "
-        f"at steps {s.get('kill_steps', '?')}, back {s.get('down_s', '?')} s later. Goodput: "
-        "samples in the "
-        "final model per wall second; kill -> commit: from each kill to the next committed step; "
-        "max dev: the largest |loss - torchrun's| at a step. `docs/peers.md` reads the table.",
+        f"at steps {s.get('kill_steps', '?')}, back {s.get('down_s', '?')} s later; "
+        f"{_group_text(s)}. Goodput: samples in the final model per wall second; kill -> "
+        "commit: from each kill to the next committed step (the group kill last); max dev: the "
+        "largest |loss - torchrun's| at a step; group: the group kill's kill -> commit, the "
+        "steps redone after it and the samples dropped from its step on (*: replica 1 was "
+        "still down at that step, and its group was killed as the job went past it). "
+        "`docs/peers.md` reads the table.",
         "",
     ]
     rows = []
@@ -39,6 +42,10 @@ def section_peers(ctx: Any, doc: dict) -> list[str]:
                 _f(mb and mb / 1e6, ".2f"),
                 _f(c.get("val_loss"), ".4f"),
                 _f(c.get("max_loss_dev"), ".4f"),
+                _f(c.get("group_kill_to_commit_s"), ".2f")
+                + ("*" if c.get("group_kill_held") is False else ""),
+                str(_dash(c.get("group_steps_redone"))),
+                str(_dash(c.get("group_samples_dropped"))),
             ]
         )
     out += _table(
@@ -54,7 +61,21 @@ def section_peers(ctx: Any, doc: dict) -> list[str]:
             "heal MB",
             "val loss",
             "max dev",
+            "group: kill -> commit s",
+            "group: redone",
+            "group: dropped",
         ],
         rows,
     )
     return out + [""]
+
+
+def _group_text(s: dict) -> str:
+    step = s.get("group_kill_step")
+    if step is None:
+        return "no group kill"
+    return f"at step {step} its whole group (launcher and trainer) SIGKILLed and launched anew"
+
+
+def _dash(value):
+    return "-" if value is None else value

@@ -1,12 +1,13 @@
-"""How the peers benchmark reads a run's metrics as they appear (`tools/bench/peers.py::_tail`):
-rows a run keeps across a recovery are history, not steps run again; a step run again is."""
+"""How the peers benchmark reads a run's metrics as they appear (`tools/bench/peers_group.py`,
+`tail`): rows a run keeps across a recovery are history, not steps run again; a step run again
+is."""
 
 from __future__ import annotations
 
 import json
 import os
 
-from tools.bench.peers import _tail
+from tools.bench.peers_group import tail as _tail
 
 
 def _row(step: int, took: float) -> str:

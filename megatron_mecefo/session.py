@@ -121,6 +121,7 @@ def run_session(cfg, control: RunControl, hooks: Sequence[TrainHook] = ()) -> Ex
         log=control.logger("engine"),
         membership=control.membership,
         shard_placement=control.shard_placement(),
+        init_weights=control.fresh,  # a restarted rank takes its weights from a peer or a save
         **control.data_preparation(),
     )
     ckpt = CheckpointManager(

@@ -88,9 +88,11 @@ def build_gpt_model(
     pp_size: int = 1,
     stages: tuple = (None, None),
     seed: int = 0,
+    init: bool = True,
 ):
     """Build this rank's GPTModel (its pipeline stage, un-wrapped), initialised the same whatever
-    the TP x PP layout (`init_layout_independent`). Returns `(model, transformer_config,
+    the TP x PP layout (`init_layout_independent`; `init=False`: left unset, for a rank that
+    takes every weight from saved or a peer's state). Returns `(model, transformer_config,
     spec_name)`."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -121,9 +123,10 @@ def build_gpt_model(
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
     )
-    init_layout_independent(
-        model, cfg, seed, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size
-    )
+    if init:
+        init_layout_independent(
+            model, cfg, seed, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp_size
+        )
     if bf16:
         from megatron.core.transformer.module import Float16Module
 

@@ -434,6 +434,7 @@ def build_engine(
     data_barrier: Callable[[], None] | None = None,
     data_guard: Callable[[], AbstractContextManager] | None = None,
     shard_placement: dict[str, int] | None = None,
+    init_weights: bool = True,
 ) -> Engine:
     """Initialise distributed state (if not given) and build every component of a run.
 
@@ -449,6 +450,8 @@ def build_engine(
         shard_placement: `copies`, `replicas_per_node` and `placed` of the distributed
             optimizer's shards (default: one copy each, placed now; failover keeps two, placed
             at its first regroup).
+        init_weights: False for a rank whose every weight will come from saved state or a
+            peer (a restarted rank under failover): the random draw would be thrown away.
     """
     ctx = ctx or init_parallel(cfg.parallel)
     membership = membership or Membership.static(*data_parallel_layout())
@@ -468,6 +471,7 @@ def build_engine(
         stages=(p.num_layers_in_first_pipeline_stage, p.num_layers_in_last_pipeline_stage),
         bf16=bf16,
         seed=tc.seed,
+        init=init_weights,
     )
     if not ctx.on_cpu:
         model = model.cuda()

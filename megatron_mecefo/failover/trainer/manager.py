@@ -289,9 +289,12 @@ class FailoverManager(RunControl):
         if self.incarnation == 0:
             self.plane.next_step = load_state() or 0
         try:
-            return self.join(engine)
+            step = self.join(engine)
         except JobDone:
             return None
+        if not self.sync.has_state:  # built without initial weights (`fresh`): never train so
+            raise RuntimeError(f"rank {self.rank} joined at step {step} without any state")
+        return step
 
     def join(self, engine) -> int:
         """Wait for a generation that includes this replica, form it, sync state.

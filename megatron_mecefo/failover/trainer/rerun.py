@@ -173,19 +173,22 @@ class AnomalyRerun:
         raise DivergedUpdateError(f"step {step}: {detail}")
 
     def _redone(self, step: int) -> None:
-        """`step` committed after a rollback that `_diverged` started there: the replicas whose
-        fingerprint then differs from the one they now agree on computed the update wrong."""
+        """`step` committed after a rollback that `_diverged` started there: a replica whose
+        noted fingerprint (at any of its positions) differs from the one its rank now holds,
+        which every replica agrees on, computed the update wrong the first time."""
         store, m = self.plane.store, self.membership
-        names = {r: keys.divergence(step, r, self.position) for r in m.members}
-        noted = {r: name for r, name in names.items() if store.check([name])}
+        size = self.vote.replica_size
+        names = {(r, p): keys.divergence(step, r, p) for r in m.members for p in range(size)}
+        noted = [k for k, name in names.items() if store.check([name])]
         if not noted:
             return
-        now = self.vote.last_fingerprint
-        before = dict(zip(noted, (int(v) for v in store.multi_get(list(noted.values())))))
-        wrong = sorted(r for r, fp in before.items() if fp != now)
+        before = [int(v) for v in store.multi_get([names[k] for k in noted])]
+        now = self._prints_now(step, noted)
+        wrong = sorted({r for (r, p), fp in zip(noted, before) if fp != now[(r, p)]})
+        blamed = wrong if len(wrong) < len({r for r, _ in noted}) else []
         if self.writes_events():
             store.delete_key(keys.ROLLBACK_BOUND)
-            if len(wrong) == len(before):  # the redo reproduced neither: nobody to blame
+            if wrong and not blamed:
                 post_event(
                     store,
                     "anomaly",
@@ -194,12 +197,12 @@ class AnomalyRerun:
                     detail=f"no replica reproduced its update of step {step - 1} when redoing "
                     "it: the job goes on from the redone state",
                 )
-            for r in wrong if len(wrong) < len(before) else ():
+            for r in blamed:
                 detail = f"its update of step {step - 1} differed from the redo from saved state"
                 post_event(store, "anomaly", step=step, dp_rank=r, detail=detail)
                 self._post_classified(step, [r], "corruption", f"{detail}; redone")
                 post_event(store, "healed", step=step, dp_rank=r, detail="committed the redo")
-        if m.replica in wrong and len(wrong) < len(before):
+        if m.replica in blamed:
             times = store.add(keys.corruptions(m.replica, self.position), 1)
             if times >= 2:
                 if self.position == 0:
@@ -211,6 +214,19 @@ class AnomalyRerun:
                         detail="computed a wrong state twice",
                     )
                 raise EvictedError(f"replica {m.replica}: its state was found wrong twice; evicted")
+
+    def _prints_now(self, step: int, which: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """(replica, position) -> the fingerprint its rank voted with in the commit of `step`:
+        with one rank per replica, this rank's own (the commit says they agree); otherwise
+        each rank's, from the vote's keys (kept until two commits later)."""
+        size = self.vote.replica_size
+        if size == 1:
+            return {k: self.vote.last_fingerprint for k in which}
+        g, a = self.vote.committed_as
+        values = self.plane.store.multi_get(
+            [keys.fingerprint(g, step, a, r * size + p) for r, p in which]
+        )
+        return {k: int(v.split(b":")[0]) for k, v in zip(which, values, strict=True)}
 
     def _healed(self, step: int) -> None:
         back = sorted(r for r in self.healing if r in self.membership.members)

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tests.dist.test_failover import SPREAD_STEPS, assert_recovered
 from megatron_mecefo.errors import ExitCode
+from tests.dist.test_failover import assert_recovered
 from tests.helpers.launch import launch, logged_steps, stop_after_event, wait_for_steps
 
 pytestmark = pytest.mark.timeout(400)

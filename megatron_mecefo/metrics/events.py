@@ -11,7 +11,8 @@ One JSON object per line. Required fields:
               rollback, and the numerical faults (`failover/trainer/rerun.py`): anomaly (a
               replica's NaN/Inf, `detail` says what), rerun, classified (extra `kind`: transient,
               data, persistent or corruption; data names `microbatches`, `samples`,
-              `samples_skipped`), evicted, healed (a corrupt replica committed again with a
+              `samples_skipped`), evicted (a straggler's node: extra `standby`, the agent it went
+              to), healed (a corrupt replica committed again with a
               healthy peer's state), rebalanced (a straggler's share changed,
               `failover/trainer/straggler.py`)
   step        training step at which the event happened (int >= 0)

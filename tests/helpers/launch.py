@@ -253,7 +253,7 @@ def stop_after_rejoins(
                 pending |= set(ranks)
             elif event["type"] == "rejoin":
                 pending -= set(ranks)
-            elif event["type"] == "evicted" and "given to standby" in event.get("detail", ""):
+            elif event["type"] == "evicted" and event.get("standby") is not None:
                 handed.add(ranks)
             elif event["type"] == "node_lost" and standby:
                 handed.add(ranks)

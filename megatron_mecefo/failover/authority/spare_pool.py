@@ -164,6 +164,7 @@ class SparePool:
                     step=max(step, request["step"]),
                     dp_rank=int(replica),
                     ranks=sorted(at_node),
+                    standby=free[0],
                     detail=f"node {node}: {why} (a straggler); given to standby agent {free[0]}",
                 )
                 self.log(f"[coordinator] node {node} given to standby agent {free[0]}: {why}")

@@ -21,8 +21,11 @@ Prints a table, writes JSON (`--out`) and a loss-vs-wall-clock figure (`--figure
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -335,9 +338,12 @@ def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
     # a replacement whose rank was still starting when the job ended finds no store: exit 6
     late = {"standby": (int(ExitCode.COORDINATOR_LOST),)}
     job = Job(run_dir.parent, args.timeout_s)
-    raw = run_trainer(
-        name, job, run_dir, args.steps, group, launch=launch, main="node0", others=late
-    )
+    try:
+        raw = run_trainer(
+            name, job, run_dir, args.steps, group, launch=launch, main="node0", others=late
+        )
+    finally:
+        _remove_lost_snapshot(group.cmdlines)
     kills = _injected_kills(raw["events"], args.kill_steps)
     trace = trainer_trace(
         raw, ctx, restarts=len(kills) + bool(group.relaunched), live_heal=name != "snapshot-restart"
@@ -346,6 +352,18 @@ def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
     if record is not None:
         record["rejoined"] = any(e["type"] == "node_replaced" for e in raw["events"])
     return with_kills(trace, kills, record)
+
+
+def _remove_lost_snapshot(cmdlines: list[list[str]]) -> None:
+    """The killed node's shared-memory snapshot folder (its snapshot process's `--dir`): a lost
+    node takes its memory along, but simulated nodes share this machine's /dev/shm, where it
+    would stay (5-8 MB a run) unless a standby took the node and removed it at the end."""
+    for cmd in cmdlines:
+        if "megatron_mecefo.snapshot.smp" in cmd and "--dir" in cmd:
+            folder = Path(cmd[cmd.index("--dir") + 1])
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                folder.parent.rmdir()  # the run's folder, once no node's is left in it
 
 
 def run_torchft(args, work: Path, ctx: dict) -> dict:
@@ -394,11 +412,12 @@ def run_torchft(args, work: Path, ctx: dict) -> dict:
         _wait(job, GroupKill(None, 0), [prep], "torchft data preparation")
         for r in range(args.replicas):
             job.start(f"replica{r}", group_cmd(r), env)
-        _wait(job, group, None, "torchft", progress=out / "rows_replica0.jsonl", steps=args.steps)
+        rows0 = out / "rows_replica0.jsonl"
+        end = _wait(job, group, None, "torchft", progress=rows0, steps=args.steps)
     finally:
         job.close()
         lighthouse.shutdown()
-    wall = time.time() - start
+    wall = end - start
     record = group.record()
     if record is not None:
         rows = read_jsonl(out / f"rows_replica{KILL_RANK}.jsonl")
@@ -412,9 +431,10 @@ def run_torchft(args, work: Path, ctx: dict) -> dict:
     return {**with_kills(trace, kills, record), "global_batch": ctx["global_batch"]}
 
 
-def _wait(job: Job, group: GroupKill, procs, what: str, progress=None, steps: int = 0) -> None:
+def _wait(job: Job, group: GroupKill, procs, what: str, progress=None, steps: int = 0) -> float:
     """Until `procs` (None: every role's current process) have exited; each must exit 0 but
-    the one the group kill killed."""
+    the one the group kill killed. Returns when all but the group kill's new launch had exited
+    (the end of the job: a new launch that never joined takes seconds to see the job done)."""
     last_print = [time.time()]
 
     def current():
@@ -426,10 +446,19 @@ def _wait(job: Job, group: GroupKill, procs, what: str, progress=None, steps: in
             print(f"[peers]   {what}: replica 0 committed {done}/{steps} steps", flush=True)
             last_print[0] = time.time()
 
-    wait_run(job, group, lambda: all(p.poll() is not None for p in current()), what, show)
+    def finished() -> bool:
+        return all(p.poll() is not None for p in current() if p is not group.new_launch)
+
+    end = wait_run(job, group, finished, what, show)
+    for p in current():
+        try:
+            p.wait(timeout=max(1.0, job.left_s()))
+        except subprocess.TimeoutExpired:
+            raise PeersError(f"{what}: still running at the time limit") from None
     bad = [p for p in current() if p.returncode != 0 and p is not group.killed]
     if bad:
         raise PeersError(f"{what} exited {bad[0].returncode} (logs in {job.log_dir})")
+    return end
 
 
 # ------------------------------------------------------------------------------------ main

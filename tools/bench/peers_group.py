@@ -8,6 +8,7 @@ kills, waits and reads.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,24 +67,26 @@ class Job:
             proc.wait()
 
 
-def kill_tree(pid: int) -> int:
+def kill_tree(pid: int) -> list[list[str]]:
     """SIGKILL `pid` and every process under it at once (listed first, then signalled, so that
-    none is re-parented away in between); returns how many were signalled."""
+    none is re-parented away in between); returns the command lines of those signalled."""
     import psutil
 
     try:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0
-    killed = 0
+        return []
+    cmdlines = {}
     for proc in tree:
-        try:
+        with contextlib.suppress(psutil.Error):
+            cmdlines[proc.pid] = proc.cmdline()
+    signalled = []
+    for proc in tree:  # one tight loop: the group dies at once
+        with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, signal.SIGKILL)
-            killed += 1
-        except ProcessLookupError:
-            pass
-    return killed
+            signalled.append(cmdlines.get(proc.pid, []))
+    return signalled
 
 
 class GroupKill:
@@ -110,6 +113,7 @@ class GroupKill:
         self.relaunch = relaunch
         self.kill_time: float | None = None
         self.killed: subprocess.Popen | None = None
+        self.cmdlines: list[list[str]] = []
         self.processes = 0
         self.new_launch: subprocess.Popen | None = None
         self.relaunched: bool | None = None
@@ -126,7 +130,8 @@ class GroupKill:
             self.was_held = self.held()
             if self.was_held or self.passed():
                 self.killed = job.roles[self.victim]
-                self.processes = kill_tree(self.killed.pid)
+                self.cmdlines = kill_tree(self.killed.pid)
+                self.processes = len(self.cmdlines)
                 self.kill_time = time.time()
                 print(
                     f"[peers]   group kill at step {self.step}: {self.victim}, "
@@ -204,15 +209,17 @@ def hold_for_kill(marker: Path, what: str) -> None:
 
 def wait_run(
     job: Job, group: GroupKill, finished: Callable[[], bool], what: str, on_poll=lambda: None
-) -> None:
+) -> float:
     """Poll (`POLL_S`) until `finished()` with no relaunch pending, `on_poll` (reading the run's
     files) and the group kill on each round, in that order: a row read in the round of the kill
-    was written before it; PeersError past the job's time limit."""
+    was written before it. Returns the time the job was seen finished (the end of its wall
+    time); PeersError past the job's time limit."""
     while True:
         end = finished() and not group.pending
+        seen = time.time()
         on_poll()
         if end:
-            return
+            return seen
         group.poll(job)
         if job.expired():
             raise PeersError(f"{what}: no result within the time limit")
@@ -284,9 +291,10 @@ def run_trainer(
 ) -> dict:
     """One run of our trainer: `launch(job)` starts its processes, then metrics and events are
     read as they appear, until the `main` role's process (the one whose exit ends the job; a
-    relaunch may replace it) has exited, then every other role's within the time left. Exit 0
-    is required of each, except `others` (role -> the codes it may also end with) and the
-    process the group kill killed."""
+    relaunch may replace it) has exited (the end of the job's wall time), then every other
+    role's within the time left (a replacement that was still starting may take seconds to give
+    up). Exit 0 is required of each, except `others` (role -> the codes it may also end with)
+    and the process the group kill killed."""
     files = RunFiles(run_dir)
     start = time.time()
     last_print = [0.0]
@@ -299,7 +307,7 @@ def run_trainer(
 
     try:
         launch(job)
-        wait_run(job, group, lambda: job.roles[main].poll() is not None, name, progress)
+        end = wait_run(job, group, lambda: job.roles[main].poll() is not None, name, progress)
         codes = {}
         for role, proc in job.roles.items():
             try:
@@ -317,7 +325,7 @@ def run_trainer(
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {
         "start": start,
-        "wall_s": time.time() - start,
+        "wall_s": end - start,
         "rows": files.rows,
         "events": files.events,
         "summary": summary,

@@ -71,13 +71,20 @@ def build_transformer_config(
         num_layers_in_last_pipeline_stage=stages[1],
         use_cpu_initialization=True,
         # build_gpt_model sets every parameter afterwards (init_layout_independent): megatron's
-        # own draw would be thrown away (half of a model build)
-        perform_initialization=False,
+        # own draw would be thrown away (half of a model build). Its initialisation still runs
+        # (perform_initialization=False would also skip the tensor-parallel attributes it sets)
+        init_method=_no_draw,
+        output_layer_init_method=_no_draw,
+        embedding_init_method=_no_draw,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         apply_rope_fusion=False,
     )
+
+
+def _no_draw(tensor) -> None:
+    """Megatron's init method, left to `init_layout_independent`."""
 
 
 def build_gpt_model(

@@ -17,7 +17,9 @@ from megatron_mecefo.failover.trainer.rerun import AnomalyRerun
 def _rerun(store, replica: int, leader: bool = False):
     membership = types.SimpleNamespace(replica=replica, members=(0, 1, 2))
     plane = types.SimpleNamespace(store=store)
-    vote = types.SimpleNamespace(last_corrupt=None, last_anomaly=None)
+    vote = types.SimpleNamespace(
+        last_corrupt=None, last_anomaly=None, last_fingerprint=None, replica_size=1
+    )
     return AnomalyRerun(
         plane, membership, vote, position=0, writes_events=lambda: leader, timeout_s=1.0
     )

@@ -222,6 +222,12 @@ ROLLBACK_BOUND = "rollback_bound"
 while replicas redo an update they computed differently; deleted once it is resolved."""
 
 
+def diverged_at(step: int) -> str:
+    """Set when the replicas' states differed at the start of `step` with no vote naming the
+    wrong one: the commit of a redone step reads this one key before `divergence`'s."""
+    return f"divergence/{step}"
+
+
 def divergence(step: int, replica: int, position: int) -> str:
     """The state fingerprint `replica` (its rank at `position`) held at the start of `step` when
     the replicas' states differed there and no vote could name the wrong one."""

@@ -142,21 +142,27 @@ def test_a_flipped_bit_is_caught_by_the_fingerprint_and_healed_from_a_peer(
 def test_a_straggler_gets_a_smaller_share_until_its_compute_time_is_the_others(
     tmp_path, demo_data_dir, failure_free
 ):
-    """slow:2:2:2 makes rank 2 compute twice as slowly from step 2 on (a busy loop: on CPU the
-    compute clock is the thread's CPU time, so the other processes sharing the 2 cores do not
-    blur it). Its pace (median compute time of 3 steps) is shared at step 5's vote: every member
-    sees replica 2 at about 2x the others' and gives it a smaller share from step 6 on
-    (`rebalanced`); later comparisons adjust its weight until its compute time is the others'.
-    The global batch is unchanged (every sample once, exact tasks), so the curve is the
+    """slow:2:3:2 makes rank 2 compute three times as slowly from step 2 on (a busy loop: on
+    CPU the compute clock is the thread's CPU time, so the other processes sharing the 2 cores
+    do not blur it). Its pace (median compute time of 3 steps) is shared at step 5's vote: every
+    member sees replica 2 at about 3x the others' and gives it a smaller share from step 6 on
+    (`rebalanced`); later comparisons adjust its weight while its compute time is off the
+    others'. The global batch is unchanged (every sample once, exact tasks), so the curve is the
     failure-free one up to the order of summation. The job's wall step time is not asserted: 4
-    ranks on 2 cores share them, so it measures the machine (`tools/bench/straggler.py` does)."""
+    ranks on 2 cores share them, so it measures the machine (`tools/bench/straggler.py` does).
+
+    Margins, from CI runs on a loaded machine: a healthy replica's compute time on this tiny
+    model swings 0.04-0.09 s from step to step, so a 2x slowdown with the default factor 1.3 let
+    a healthy replica's median of 3 cross the mark once, and a 6-step median after the
+    rebalance read 1.31. With 3x, factor 1.5 (the band 1.25) and 12 steps, a broken rebalance
+    (none: ~3x; a weight that never follows: ~1.5x at best) still fails by a wide margin."""
     steps = 24
     res = launch(
         tmp_path,
         demo_data_dir,
         steps=steps,
-        inject=("slow:2:2:2",),
-        overrides=(*PIN, "straggler.interval=5", "straggler.window=3"),
+        inject=("slow:2:3:2",),
+        overrides=(*PIN, "straggler.interval=5", "straggler.window=3", "straggler.factor=1.5"),
     )
     assert res.returncode == ExitCode.OK, res.explain()
     rows = res.metrics()
@@ -173,15 +179,15 @@ def test_a_straggler_gets_a_smaller_share_until_its_compute_time_is_the_others(
         compute.setdefault(row["replica"], {})[row["step"]] = row["compute_s"]
     assert all(shares[s] == {0: 8, 1: 8, 2: 8, 3: 8} for s in range(6)), shares
     later = [shares[s] for s in range(6, steps)]
-    assert all(s[2] <= 6 and sum(s.values()) == 32 for s in later), later  # 32 / 3.5 ~ 4.6
+    assert all(s[2] <= 5 and sum(s.values()) == 32 for s in later), later  # 32 / 3.33 ~ 3.2
 
     def ratio(steps_):  # the straggler's compute time over the others' median
         mine = statistics.median(compute[2][s] for s in steps_)
         others = statistics.median(compute[r][s] for r in (0, 1, 3) for s in steps_)
         return mine / others
 
-    before, after = ratio(range(2, 6)), ratio(range(steps - 6, steps))
-    assert before > 1.6 and after < 1.3, (before, after, compute)
+    before, after = ratio(range(2, 6)), ratio(range(steps - 12, steps))
+    assert before > 2.2 and after < 1.35, (before, after, compute)
     violations = (
         checks.check_metrics(res.run_dir, steps)
         + checks.check_digests(res.run_dir, steps, required=range(4))

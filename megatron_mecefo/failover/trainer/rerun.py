@@ -163,6 +163,7 @@ class AnomalyRerun:
                 f"({len(m.members)} replicas), {why}; resume from the last checkpoint"
             )
         store.set(mine, str(self.vote.last_fingerprint))
+        store.set(keys.diverged_at(step), "1")
         store.set(keys.ROLLBACK_BOUND, str(step - 1))  # every member: whoever restarts first
         detail = (
             f"the replicas' states differ after the update of step {step - 1} and neither changed "
@@ -177,6 +178,8 @@ class AnomalyRerun:
         noted fingerprint (at any of its positions) differs from the one its rank now holds,
         which every replica agrees on, computed the update wrong the first time."""
         store, m = self.plane.store, self.membership
+        if not self.can_roll_back or not store.check([keys.diverged_at(step)]):
+            return  # one round trip on every commit; the per-position keys only after a rollback
         size = self.vote.replica_size
         names = {(r, p): keys.divergence(step, r, p) for r in m.members for p in range(size)}
         noted = [k for k, name in names.items() if store.check([name])]

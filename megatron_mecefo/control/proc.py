@@ -66,6 +66,15 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     _prctl(_PR_SET_PDEATHSIG, int(sig))
 
 
+def die_with(parent: int) -> None:
+    """`die_with_parent` in a process started by `parent` (a pid), for a start that runs no
+    at-fork hook (multiprocessing's spawn: fork and exec): if `parent` died before the `prctl`,
+    the kernel will never say so, so the process kills itself now."""
+    die_with_parent()
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def forks_die_with_parent() -> None:
     """Whatever this process forks from now on (megatron's async checkpoint writers) dies with
     it, even when it is SIGKILLed: no writer outlives its trainer holding files and pipes open.

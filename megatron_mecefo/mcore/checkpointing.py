@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_mecefo.control import proc
 from megatron_mecefo.mcore.parallel import rng_states, set_rng_states
 
 
@@ -133,10 +134,12 @@ def start_writer_queue_ignoring_stop_signals() -> None:
     actions, and Slurm delivers a stop signal to every process of the step: SIGUSR1 (the stop
     before the time limit) or SIGTERM (scancel, preemption) would kill that Manager, and the
     final checkpoint of the graceful stop would fail ("Connection refused"). A disposition of
-    SIG_IGN survives exec, so a Manager started here outlives both (it is SIGKILLed with the
-    rank's process group).
+    SIG_IGN survives exec, so a Manager started here outlives both. It dies with the rank
+    (PDEATHSIG): a rank SIGKILLed alone, as a failover test or a benchmark kills it, left its
+    Manager, and through it multiprocessing's resource tracker, running for good.
     """
     import signal
+    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -145,7 +148,8 @@ def start_writer_queue_ignoring_stop_signals() -> None:
     use_short_socket_dir()
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGUSR1, signal.SIGTERM)}
     try:  # what megatron's `_get_write_results_queue` makes, behind `PickledQueue`
-        manager = torch.multiprocessing.get_context("spawn").Manager()
+        manager = SyncManager(ctx=torch.multiprocessing.get_context("spawn"))
+        manager.start(initializer=proc.die_with, initargs=(os.getpid(),))
         filesystem_async._results_queue = PickledQueue(manager.Queue())
     finally:
         for sig, handler in previous.items():

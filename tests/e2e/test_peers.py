@@ -138,9 +138,9 @@ def test_every_system_runs_its_schedule(tmp_path, demo_data_dir):
         group = traces[name]["group_kill"]
         assert group["victim_rc"] == -9 and group["processes"] >= 2, (name, group)
         assert group["relaunched"] is True, (name, group)
-        # ours: a standby whose rank was still starting when the job ended finds no store (6)
-        late = (0, 6) if name in ("spread-sample", "snapshot-restart") else (0,)
-        assert group["new_launch_rc"] in late, (name, group)
+        # ours too when the replacement's rank was still starting as the job ended (it had
+        # exited 6, COORDINATOR_LOST, after 10 s of retries)
+        assert group["new_launch_rc"] == 0, (name, group)
         assert row["max_loss_dev"] is not None, name
         assert row["samples_counted_twice"] == 0, name
         if name == "torchft":  # torchft trains on without the dead replica's samples

@@ -302,7 +302,6 @@ def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
     1's log) and SIGKILLs node 1's whole tree (agent, fork server, trainer, snapshot process);
     `--down-s` later a `--standby` agent registers and takes node 1 once the coordinator
     declares it lost."""
-    from megatron_mecefo.errors import ExitCode
     from megatron_mecefo.failover.node.agent_cli import launch_command
 
     run_dir = work / name / "run"
@@ -335,12 +334,10 @@ def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
     group = GroupKill(
         g, args.down_s, victim, held, step_fired(run_dir / "metrics.jsonl", g), relaunch
     )
-    # a replacement whose rank was still starting when the job ended finds no store: exit 6
-    late = {"standby": (int(ExitCode.COORDINATOR_LOST),)}
     job = Job(run_dir.parent, args.timeout_s)
     try:
         raw = run_trainer(
-            name, job, run_dir, args.steps, group, launch=launch, main="node0", others=late
+            name, job, run_dir, args.steps, group, launch=launch, main="node0"
         )
     finally:
         _remove_lost_snapshot(group.cmdlines)

@@ -287,14 +287,12 @@ def run_trainer(
     *,
     launch: Callable[[Job], None],
     main: str,
-    others: dict[str, tuple[int, ...]] | None = None,
 ) -> dict:
     """One run of our trainer: `launch(job)` starts its processes, then metrics and events are
     read as they appear, until the `main` role's process (the one whose exit ends the job; a
     relaunch may replace it) has exited (the end of the job's wall time), then every other
     role's within the time left (a replacement that was still starting may take seconds to give
-    up). Exit 0 is required of each, except `others` (role -> the codes it may also end with)
-    and the process the group kill killed."""
+    up). Exit 0 is required of each but the process the group kill killed."""
     files = RunFiles(run_dir)
     start = time.time()
     last_print = [0.0]
@@ -316,8 +314,7 @@ def run_trainer(
                 raise PeersError(f"{name}: {role} still running at the time limit") from None
         files.read()
         for role, rc in codes.items():
-            allowed = (0, *(others or {}).get(role, ()))
-            if rc not in allowed and job.roles[role] is not group.killed:
+            if rc != 0 and job.roles[role] is not group.killed:
                 raise PeersError(f"{name}: {role} exited {rc}: {log_tail(job, _log_of(job, role))}")
     finally:
         job.close()

@@ -64,6 +64,9 @@ class Agent:
         self.stop_reason: str | None = None  # set by SIGUSR1; posted to the store once
         self.smp: subprocess.Popen | None = None
         self.preempted = False  # a rank exited PREEMPTED (stopped on request after a checkpoint)
+        self.saw_done = False
+        """The job's DONE flag was read: it trained to its last step, so a store that goes away
+        now (the coordinator stops) ends this node well, not with COORDINATOR_LOST."""
         self.started_at: dict[int, float] = {}  # rank -> when its current incarnation started
         self.quick_deaths: dict[int, int] = {}  # rank -> deaths in a row soon after a start
         self.term_deadline: float | None = None  # SIGTERM with a grace time: hard stop after
@@ -263,6 +266,9 @@ class Agent:
                 code = self._tick() if self.node is not None else self._standby_tick()
                 last_ok = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - store unreachable, or a local file error
+                if self.saw_done and keys.is_store_error(exc):
+                    self.log("the job finished and its store is gone; stopping this node")
+                    return int(ExitCode.PREEMPTED if self.preempted else ExitCode.OK)
                 if time.monotonic() - last_ok > 10.0:
                     if isinstance(exc, OSError) and exc.filename is not None:  # not the store
                         self.log(f"cannot use {exc.filename} ({exc.strerror}); stopping this node")
@@ -301,7 +307,8 @@ class Agent:
             self.log(f"stop requested ({self.stop_reason}): ranks checkpoint and stop")
             keys.raise_flag(self.store, keys.STOP, f"node {self.node}: {self.stop_reason}")
             stop_set = True
-        done = keys.flag_raised(flags, keys.DONE) or stop_set
+        self.saw_done = self.saw_done or keys.flag_raised(flags, keys.DONE)
+        done = self.saw_done or stop_set
         if owner.decode() != str(self.agent_id):
             self._hand_over()
             return None
@@ -330,6 +337,10 @@ class Agent:
             if rc in restart_policy.FINISHED:
                 self.finished.add(rank)
                 self.preempted = self.preempted or rc == ExitCode.PREEMPTED
+                continue
+            if rc == ExitCode.COORDINATOR_LOST and self.saw_done:  # it started as the job ended
+                self.log(f"rank {rank} found no store: the job had finished")
+                self.finished.add(rank)
                 continue
             if rc in restart_policy.FATAL:
                 self.log(f"rank {rank} exited with {ExitCode(rc).name}; stopping this node")

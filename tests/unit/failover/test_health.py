@@ -106,6 +106,7 @@ def test_agent_does_not_restart_a_rank_onto_an_unhealthy_gpu(tmp_path, monkeypat
         _hand_over=lambda: None,
         gave_up={},
         replica_size=1,
+        saw_done=False,
     )
     fake._restart_due = lambda rank, step: Agent._restart_due(fake, rank, step)
     monkeypatch.setattr("megatron_mecefo.control.keys.get_int", lambda store, key, d=0: 10)

@@ -21,6 +21,8 @@ if str(ROOT) not in sys.path:
 
 import pytest  # noqa: E402
 
+import megatron_mecefo.mcore  # noqa: E402, F401 - before any test module imports megatron-core
+
 
 @pytest.fixture(scope="session")
 def demo_data_dir(tmp_path_factory):

@@ -34,7 +34,7 @@ def preload() -> None:
     from megatron_mecefo.control.proc import quiet_library_warnings
 
     quiet_library_warnings(os.environ)
-    import torch  # noqa: F401 - the point of a spare is to have paid for these imports
+    import torch  # the point of a spare is to have paid for these imports
 
     import megatron_mecefo.failover.trainer.manager  # noqa: F401
     import megatron_mecefo.session  # noqa: F401
@@ -42,6 +42,9 @@ def preload() -> None:
     from megatron_mecefo.mcore.model import preload_megatron
 
     preload_megatron()
+    # the first optimizer imports torch's dynamo and inductor (`Optimizer.__init__`), no longer
+    # imported with megatron (`mcore/eager_jit.py`): pay it here, not in every forked rank
+    torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))])
 
 
 def fork_unsafe() -> str | None:

@@ -37,8 +37,11 @@ def preload() -> None:
     import torch  # the point of a spare is to have paid for these imports
 
     import megatron_mecefo.failover.trainer.manager  # noqa: F401
+    import megatron_mecefo.mcore.datasets  # noqa: F401
     import megatron_mecefo.session  # noqa: F401
+    import megatron_mecefo.train  # noqa: F401
     import megatron_mecefo.training.engine  # noqa: F401
+    import megatron_mecefo.training.loop  # noqa: F401
     from megatron_mecefo.mcore.model import preload_megatron
 
     preload_megatron()

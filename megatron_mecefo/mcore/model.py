@@ -194,6 +194,7 @@ def preload_megatron() -> None:
     """Import the megatron-core modules a training run uses (a warm spare pays this up front)."""
     import megatron.core.distributed  # noqa: F401
     import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
     import megatron.core.tensor_parallel  # noqa: F401

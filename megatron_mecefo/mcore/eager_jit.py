@@ -1,9 +1,11 @@
 """megatron-core's fused kernels stay plain functions under a CPU build of torch.
 
 megatron decorates its fused element-wise kernels with `torch.compile` at import time
-(`megatron.core.jit.jit_fuser`), and the first such decoration imports torch's dynamo and inductor:
-2.6 s of CPU in every process that imports megatron-core (measured: 6.1 -> 3.5 s for a fork
-server's imports), paid by every node's fork server, every exec'd trainer and every test worker.
+(`megatron.core.jit.jit_fuser`): the first decoration imports torch's dynamo and inductor and each
+one sets up a compile. The first optimizer imports dynamo anyway (`Optimizer.__init__`, about
+0.7 s; `warm_spare.preload` pays it), so what is saved is the rest: a fork server's imports and
+first optimizer took 4.3-4.7 s of CPU, 3.1-3.5 s without it (4 runs each, idle), paid by every
+node's fork server, every exec'd trainer and every test worker.
 With a CPU build of torch there is no GPU kernel to fuse, and the model config turns those
 fusions off anyway (`mcore/model.py`), so right after `megatron.core.jit` runs, its
 `disable_jit_fuser()` makes the decorator a no-op. With a CUDA or ROCm build nothing changes.

@@ -336,9 +336,7 @@ def run_mecefo(name: str, args, work: Path, ctx: dict) -> dict:
     )
     job = Job(run_dir.parent, args.timeout_s)
     try:
-        raw = run_trainer(
-            name, job, run_dir, args.steps, group, launch=launch, main="node0"
-        )
+        raw = run_trainer(name, job, run_dir, args.steps, group, launch=launch, main="node0")
     finally:
         _remove_lost_snapshot(group.cmdlines)
     kills = _injected_kills(raw["events"], args.kill_steps)

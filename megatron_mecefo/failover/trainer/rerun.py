@@ -81,12 +81,16 @@ class AnomalyRerun:
         self.can_roll_back = False
         """Snapshots or checkpoints are enabled: replicas whose updates differed can redo the
         update from saved state to tell which one computed it wrong."""
+        self.resolved: tuple[int, list[str]] | None = None
+        """(step, its divergence keys) once the leader named the wrong replica of a redone
+        step: deleted at the next commit, when every member has read them."""
 
     def after_attempt(self, engine, step: int, committed: bool) -> None:
         """Called on every member after each attempt of `step`."""
         if committed:
             self._transient(step)
             self._healed(step)
+            self._sweep_divergence(step)
             self._redone(step)
             return
         if self.vote.last_corrupt is not None:
@@ -191,6 +195,7 @@ class AnomalyRerun:
         blamed = wrong if len(wrong) < len({r for r, _ in noted}) else []
         if self.writes_events():
             store.delete_key(keys.ROLLBACK_BOUND)
+            self.resolved = (step, [keys.diverged_at(step), *names.values()])
             if wrong and not blamed:
                 post_event(
                     store,
@@ -217,6 +222,16 @@ class AnomalyRerun:
                         detail="computed a wrong state twice",
                     )
                 raise EvictedError(f"replica {m.replica}: its state was found wrong twice; evicted")
+
+    def _sweep_divergence(self, step: int) -> None:
+        """A commit after the redone step: every member voted in it, so each has read the
+        divergence keys of that step (`_redone` runs before the next attempt)."""
+        if self.resolved is None or step <= self.resolved[0]:
+            return
+        if self.writes_events():
+            for name in self.resolved[1]:
+                self.plane.store.delete_key(name)
+        self.resolved = None
 
     def _prints_now(self, step: int, which: list[tuple[int, int]]) -> dict[tuple[int, int], int]:
         """(replica, position) -> the fingerprint its rank voted with in the commit of `step`:

@@ -154,3 +154,43 @@ def test_unchecked_data_skips_what_the_suspect_s_own_losses_name():
     assert unchecked_faults({**nan, "losses": [6.1, 6.2, 6.0]}, ran) == ran  # a gradient fault
     assert unchecked_faults({**spike, "kind": "grad"}, ran) == ran
     assert unchecked_faults({**spike, "losses": None}, ran) == ran  # not the last stage
+
+
+def test_a_diverged_update_is_redone_then_the_wrong_replica_named_and_its_keys_swept():
+    """2 replicas whose states differ after step 5's update, neither changed at rest: each notes
+    its fingerprint and rolls back (`DivergedUpdateError`); after the redo commits step 6, the
+    replica whose noted fingerprint the redo does not reproduce is named, and the divergence
+    keys are deleted at the next commit (every member has read them by then)."""
+    from megatron_mecefo.control import keys
+    from megatron_mecefo.errors import DivergedUpdateError
+
+    store = dist.HashStore()
+
+    def member(replica: int, fingerprint: int):
+        rerun = _rerun(store, replica, leader=replica == 0)
+        rerun.membership.members = (0, 1)
+        rerun.can_roll_back = True
+        rerun.vote.last_fingerprint = fingerprint
+        return rerun
+
+    for replica, first in ((0, 111), (1, 999)):  # replica 1 computed its update wrong
+        voted = member(replica, first)
+        voted.vote.last_corrupt = []  # the states differ and no majority names one
+        with pytest.raises(DivergedUpdateError):
+            voted.after_attempt(None, 6, committed=False)
+    assert keys.get_int(store, keys.ROLLBACK_BOUND, -1) == 5
+    leader, other = member(0, 111), member(1, 111)  # the redo: both reproduce replica 0's
+    leader.after_attempt(None, 6, committed=True)
+    other.after_attempt(None, 6, committed=True)  # after the leader: the keys are still there
+    posted = [(e["type"], e.get("kind"), e["dp_rank"]) for e in posted_events(store)[0]]
+    assert posted[-3:] == [
+        ("anomaly", None, 1),
+        ("classified", "corruption", 1),
+        ("healed", None, 1),
+    ], posted
+    assert int(store.add(keys.corruptions(1, 0), 0)) == 1  # replica 1 counted it itself
+    assert not store.check([keys.ROLLBACK_BOUND])
+    names = [keys.diverged_at(6), keys.divergence(6, 0, 0), keys.divergence(6, 1, 0)]
+    assert all(store.check([n]) for n in names)
+    leader.after_attempt(None, 7, committed=True)
+    assert not any(store.check([n]) for n in names)

@@ -92,6 +92,8 @@ def _node_1_memory_lost_after_three_deaths(shm_root):
         while time.monotonic() < deadline:
             if all(log.exists() and "(incarnation 0) died" in log.read_text() for log in logs):
                 break
+            if all(p.poll() is not None for p in procs):  # not 200 s for a job that is gone
+                raise AssertionError("the job ended before its three trainers were seen dying")
             time.sleep(0.05)
         else:
             raise AssertionError("the three trainers were not all seen dying")

@@ -92,7 +92,7 @@ def _worker(rank: int, port: int, scenario: str, results) -> None:
 
 
 def _run(scenario: str, timeout_s: float = 150) -> dict:
-    from tests.helpers.launch import free_port
+    from tests.helpers.dist import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

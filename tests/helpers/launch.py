@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatron_mecefo.failover.node.agent_cli import launch_command
-from tests.helpers.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "run" / "demo_cpu.yaml"
@@ -302,8 +302,9 @@ def launch_nodes(
     until_rejoined: bool = False,
 ) -> LaunchResult:
     """`nnodes` agents on this machine, each a simulated node (node 0 starts the coordinator on
-    a free port), plus `standby` spare agents (`--standby`); returns node 0's result with every
-    node's output and every agent's exit code. `etcd=(endpoints, job id)`: `--store etcd` on that
+    a port of the kernel's choice, read from its log before the others start), plus `standby`
+    spare agents (`--standby`); returns node 0's result with every node's output and every
+    agent's exit code. `etcd=(endpoints, job id)`: `--store etcd` on that
     cluster instead (every agent keeps a coordinator candidate; no node starts a store).
     `until_rejoined`: see `_until_rejoined` (the stop goes to node 0's agent)."""
     run_dir = tmp_path / name
@@ -311,7 +312,7 @@ def launch_nodes(
         steps, overrides, while_running = _until_rejoined(
             steps, overrides, while_running, standby=standby > 0
         )
-    port = free_port()
+    port = 0  # node 0's store binds a port of the kernel's choice; the others join it
     trainer = trainer_args(run_dir, demo_data_dir, steps, inject, overrides)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     procs, logs = [], []
@@ -346,7 +347,9 @@ def launch_nodes(
                     start_new_session=True,
                 )
             )
-        if node == 0:
+        if node == 0 and etcd is None:
+            port = _served_port(procs[0], log_path)
+        elif node == 0:
             time.sleep(1.0)  # the coordinator first
     codes = []
     try:
@@ -366,6 +369,26 @@ def launch_nodes(
         output += f"\n[test] TIMEOUT after {timeout_s} s: killed the job"
     wall_s = time.monotonic() - start
     return LaunchResult(rc, output, run_dir, wall_s, node_codes=codes, stopped=until_rejoined)
+
+
+SERVING = re.compile(r"\[coordinator\] serving on port (\d+)")
+
+
+def _served_port(node0: subprocess.Popen, log: Path, bound_s: float = 60.0) -> int:
+    """The port node 0's store serves on, from its log (bounded). A port picked here and handed
+    to node 0 could be taken by another process before its store binds it: CI once saw
+    EADDRINUSE there, and the other nodes then waited on a job that never started."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        found = SERVING.search(log.read_text(errors="replace"))
+        if found:
+            return int(found.group(1))
+        if node0.poll() is not None:
+            break
+        time.sleep(0.05)
+    _kill_group(node0)
+    tail = log.read_text(errors="replace")[-3000:]
+    raise AssertionError(f"node 0 serves no store (exit {node0.poll()}):\n{tail}")
 
 
 def job_processes(mark: bytes) -> dict[int, tuple[int, str, str]]:

@@ -67,9 +67,10 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 
 def die_with(parent: int) -> None:
-    """`die_with_parent` in a process started by `parent` (a pid), for a start that runs no
-    at-fork hook (multiprocessing's spawn: fork and exec): if `parent` died before the `prctl`,
-    the kernel will never say so, so the process kills itself now."""
+    """`die_with_parent` in a process started by `parent` (a pid): if `parent` died before the
+    `prctl`, the kernel will never say so, so the process kills itself now. Called in a forked
+    child (`forks_die_with_parent`) or where no at-fork hook runs (multiprocessing's spawn:
+    fork and exec)."""
     die_with_parent()
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -88,9 +89,7 @@ def forks_die_with_parent() -> None:
         parent[0] = os.getpid()
 
     def bind_child() -> None:
-        die_with_parent()
-        if os.getppid() != parent[0]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        die_with(parent[0])
         _prctl(_PR_SET_NAME, ctypes.c_char_p(FORK_NAME.encode()))  # a name of <= 15 bytes
 
     os.register_at_fork(before=note_parent, after_in_child=bind_child)
